@@ -1,0 +1,100 @@
+#include "segments.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "shardgather/checks.h"
+#include "shardgather/layout.h"
+
+namespace shardgather {
+
+at::Tensor validate_and_split(
+    const char* op,
+    const at::Tensor& shards,
+    int64_t first_row,
+    const at::Tensor& segments,
+    at::TensorList fulls,
+    bool (*full_device_ok)(const at::Tensor& full, const at::Tensor& shards)) {
+  SG_CHECK_DTYPE(op, shards, at::kByte);
+  SG_CHECK_DIM(op, shards, 2);
+  SG_CHECK_CONTIGUOUS(op, shards);
+  SG_CHECK_DTYPE(op, segments, at::kLong);
+  SG_CHECK_DIM(op, segments, 2);
+  SG_CHECK_CONTIGUOUS(op, segments);
+  SG_CHECK(op, segments.device().is_cpu(), "argument 'segments' must be on the CPU, got ",
+           segments.device());
+  SG_CHECK(op, segments.size(1) == kSegmentCols, "argument 'segments' must have ", kSegmentCols,
+           " columns, got ", segments.size(1));
+  SG_CHECK(op, first_row >= 0, "argument 'first_row' must be >= 0, got ", first_row);
+
+  const int64_t rows = shards.size(0);
+  const int64_t row_bytes = shards.size(1);
+  const auto shards_addr = reinterpret_cast<uintptr_t>(shards.data_ptr());
+  for (size_t i = 0; i < fulls.size(); ++i) {
+    const at::Tensor& full = fulls[i];
+    SG_CHECK(op, full.is_contiguous(), "argument 'fulls[", i, "]' must be contiguous");
+    SG_CHECK(op, full_device_ok(full, shards), "argument 'fulls[", i, "]' is on ", full.device(),
+             " but 'shards' is on ", shards.device(),
+             " (CUDA shards accept CUDA or pinned CPU full tensors)");
+  }
+
+  const int64_t num_segments = segments.size(0);
+  const int64_t* seg = segments.data_ptr<int64_t>();
+  std::vector<int64_t> runs;
+  for (int64_t s = 0; s < num_segments; ++s, seg += kSegmentCols) {
+    const int64_t base = seg[kBase], row_numel = seg[kRowNumel], col_byte = seg[kColByte],
+                  numel = seg[kNumel], full_index = seg[kFullIndex], full_byte = seg[kFullByte],
+                  shard_kind = seg[kShardKind], full_kind = seg[kFullKind];
+    SG_CHECK(op, shard_kind >= 0 && shard_kind < kNumKinds && full_kind >= 0 &&
+                     full_kind < kNumKinds,
+             "segment ", s, ": unknown element kind (shard ", shard_kind, ", full ", full_kind, ")");
+    SG_CHECK(op, kinds_compatible(shard_kind, full_kind), "segment ", s,
+             ": cannot cast between element kinds ", shard_kind, " and ", full_kind,
+             " (only floating-point kinds cast)");
+    SG_CHECK(op, numel >= 0 && base >= 0, "segment ", s, ": negative numel (", numel,
+             ") or base (", base, ")");
+    if (numel == 0) {
+      continue;
+    }
+    const int64_t shard_size = elem_size(shard_kind), full_size = elem_size(full_kind);
+    SG_CHECK(op, row_numel > 0, "segment ", s, ": row numel (P) must be > 0, got ", row_numel);
+    SG_CHECK(op, col_byte >= 0 && col_byte + row_numel * shard_size <= row_bytes, "segment ", s,
+             ": columns [", col_byte, ", ", col_byte + row_numel * shard_size,
+             ") do not fit a row of ", row_bytes, " bytes");
+    SG_CHECK(op, full_index >= 0 && full_index < static_cast<int64_t>(fulls.size()), "segment ", s,
+             ": full tensor index ", full_index, " out of range for ", fulls.size(), " tensors");
+    const at::Tensor& full = fulls[full_index];
+    const int64_t full_bytes = full.numel() * full.element_size();
+    SG_CHECK(op, full_byte >= 0 && full_byte + numel * full_size <= full_bytes, "segment ", s,
+             ": bytes [", full_byte, ", ", full_byte + numel * full_size, ") out of range of fulls[",
+             full_index, "] (", full_bytes, " bytes)");
+    // Casting kernels load/store typed elements: they must be aligned.
+    if (shard_kind != full_kind) {
+      const auto full_addr = reinterpret_cast<uintptr_t>(full.data_ptr()) + full_byte;
+      SG_CHECK(op, full_addr % full_size == 0, "segment ", s, ": fulls[", full_index,
+               "] + ", full_byte, " is not aligned to ", full_size, " bytes");
+      SG_CHECK(op, (shards_addr + col_byte) % shard_size == 0 && row_bytes % shard_size == 0,
+               "segment ", s, ": shard column ", col_byte, " is not aligned to ", shard_size,
+               " bytes");
+    }
+
+    int64_t lo = 0, hi = 0;
+    elems_in_rows(base, row_numel, numel, first_row, rows, &lo, &hi);
+    const int64_t max_run = std::max<int64_t>(1, kMaxRunBytes / std::max(shard_size, full_size));
+    for (int64_t e = lo; e < hi;) {
+      const int64_t n = std::min(run_in_row(base, row_numel, e, hi), max_run);
+      runs.push_back(s);
+      runs.push_back(e);
+      runs.push_back(n);
+      e += n;
+    }
+  }
+  const int64_t num_runs = static_cast<int64_t>(runs.size() / 3);
+  at::Tensor out = at::empty({num_runs, 3}, segments.options());
+  std::copy(runs.begin(), runs.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace shardgather

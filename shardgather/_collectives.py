@@ -1,0 +1,227 @@
+"""Buckets and the bucketed gather: one collective per bucket, two buffers in flight.
+
+Every rank walks the same bucket list in the same order (the plan is identical on
+every rank), so collectives match. Each collective is waited on with a timeout, and
+the ranks agree on the plan before the first one, so a mismatch or a rank that fails
+early becomes a :class:`CollectiveError` on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _layout as L
+from ._plan import Entry, GatherPlan, Source
+from .errors import CollectiveError
+
+_ALIGN = 16  # byte alignment of each source's columns in a bucket row (16-byte vectors)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class Piece:
+    """Columns ``[col_lo, col_hi)`` (elements) of a source, at ``col_byte`` in the bucket row."""
+
+    source: Source
+    col_lo: int
+    col_hi: int
+    col_byte: int
+
+    @property
+    def whole(self) -> bool:
+        return self.col_lo == 0 and self.col_hi == self.source.row_numel
+
+
+@dataclass
+class Bucket:
+    group: dist.ProcessGroup
+    world: int
+    rank: int  # this process's row in the group
+    ranks: tuple[int, ...]  # global ranks of the group
+    row_bytes: int
+    pieces: list[Piece]
+
+    @property
+    def nbytes(self) -> int:
+        return self.world * self.row_bytes
+
+
+def build_buckets(sources: list[Source], bucket_bytes: int) -> list[Bucket]:
+    """Pack gathered sources, in plan order, into buckets of at most ``bucket_bytes``
+    gathered bytes; a source too big for one bucket is split into column chunks."""
+    buckets: list[Bucket] = []
+    cur: Bucket | None = None
+    for src in sources:
+        if src.group is None or src.row_numel == 0:
+            continue
+        row_cap = max(_ALIGN, bucket_bytes // src.world // _ALIGN * _ALIGN)
+        itemsize = src.dtype.itemsize
+        col = 0
+        while col < src.row_numel:
+            if cur is None or cur.group is not src.group or cur.row_bytes >= row_cap:
+                cur = Bucket(src.group, src.world, src.rank, src.group_ranks, 0, [])
+                buckets.append(cur)
+            room = (row_cap - cur.row_bytes) // itemsize
+            if room <= 0:
+                cur = None
+                continue
+            take = min(room, src.row_numel - col)
+            cur.pieces.append(Piece(src, col, col + take, cur.row_bytes))
+            cur.row_bytes = _align(cur.row_bytes + take * itemsize)
+            col += take
+    return buckets
+
+
+@dataclass
+class SegmentPart:
+    """Elements ``[start, start + numel)`` of an entry that one bucket delivers."""
+
+    entry: Entry
+    start: int
+    numel: int
+    segment: L.Segment  # full_index / full_byte filled in by the sink (0 here)
+
+
+def bucket_parts(bucket: Bucket, by_source: dict[int, list[Entry]]) -> list[SegmentPart]:
+    """Where every entry element in ``bucket`` sits in the gathered ``[world, row_bytes]``."""
+    parts: list[SegmentPart] = []
+    for piece in bucket.pieces:
+        src = piece.source
+        kind = L.kind_of(src.dtype)
+        for e in by_source.get(src.index, []):
+            if e.numel == 0:
+                continue
+            seg = L.Segment(e.base, src.row_numel, piece.col_byte, e.numel, 0, 0, kind,
+                            L.kind_of(e.target_dtype))
+            if piece.whole:
+                parts.append(SegmentPart(e, 0, e.numel, seg))
+                continue
+            out_size = e.target_dtype.itemsize
+            for s in L.split_columns(seg, bucket.world, piece.col_lo, piece.col_hi, piece.col_byte):
+                start = s.full_byte // out_size
+                parts.append(SegmentPart(e, start, s.numel, s))
+    return parts
+
+
+def agree(plan: GatherPlan, timeout: datetime.timedelta) -> None:
+    """Check that every rank built the same plan and none failed before gathering.
+
+    Raises:
+        CollectiveError: ranks disagree (different models or groups), or one failed.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = plan.fingerprint
+    gathered: list[object] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(gathered, mine)
+    except Exception as exc:  # noqa: BLE001 - any backend failure becomes ours
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: ranks could not exchange their gather plans ({exc}). "
+            "Call shardgather on every rank of the job, with the same model."
+        ) from exc
+    bad = sorted({str(g) for g in gathered})
+    if len(bad) != 1:
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: ranks built different gather plans {gathered}: the model "
+            "is not the same on every rank (different wrapping, shapes or process groups). "
+            "Every rank must call shardgather with the same sharded model."
+        )
+
+
+def _wait(work, timeout: datetime.timedelta, what: str) -> None:  # type: ignore[no-untyped-def]
+    try:
+        ok = work.wait(timeout)
+    except Exception as exc:  # noqa: BLE001
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: {what} failed: {exc}. Another rank probably failed or "
+            "left; check its log. No output was produced."
+        ) from exc
+    if ok is False:
+        raise CollectiveError(f"rank {dist.get_rank()}: {what} timed out after {timeout}")
+
+
+def _collective_device(bucket: Bucket, fallback: torch.device) -> torch.device:
+    backend = dist.get_backend(bucket.group)
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
+
+
+def gather_buckets(
+    buckets: list[Bucket],
+    receive: Callable[[Bucket], bool],
+    *,
+    timeout: datetime.timedelta,
+    use_gather: bool,
+) -> Iterator[tuple[Bucket, torch.Tensor | None]]:
+    """Gather each bucket and yield ``(bucket, rows)``: rows is uint8 ``[world,
+    row_bytes]`` where this rank receives, else None. The next bucket's collective is
+    in flight while the caller consumes the current one (two buffers alternate).
+
+    Args:
+        receive: whether this rank needs the gathered rows of a bucket.
+        use_gather: send rows to the receiving rank only (``dist.gather``; rank-0-only
+            output) instead of to every rank (``all_gather_into_tensor``).
+    """
+    if not buckets:
+        return
+    max_row = max(b.row_bytes for b in buckets)
+    max_world = max(b.world for b in buckets)
+    pools: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def buffers(device: torch.device, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in pools:
+            pools[device] = [
+                (
+                    torch.empty(max_row, dtype=torch.uint8, device=device),
+                    torch.empty(max_world * max_row, dtype=torch.uint8, device=device),
+                )
+                for _ in range(2)
+            ]
+        return pools[device][slot]
+
+    def launch(i: int):  # type: ignore[no-untyped-def]
+        b = buckets[i]
+        first = b.pieces[0].source.local()
+        device = _collective_device(b, first.device)
+        inp_full, out_full = buffers(device, i % 2)
+        inp = inp_full[: b.row_bytes]
+        for piece in b.pieces:
+            local = piece.source.local()
+            itemsize = piece.source.dtype.itemsize
+            lo = piece.col_lo
+            hi = min(piece.col_hi, local.numel())
+            if hi > lo:
+                chunk = local[lo:hi].view(torch.uint8) if itemsize > 1 else local[lo:hi]
+                inp[piece.col_byte : piece.col_byte + chunk.numel()].copy_(chunk.reshape(-1))
+        out = out_full[: b.nbytes].view(b.world, b.row_bytes)
+        wants = receive(b)
+        try:
+            if use_gather:
+                dst = min(r for r in b.ranks)  # the group's receiving rank (global rank 0)
+                rows = list(out.unbind(0)) if dist.get_rank() == dst else None
+                work = dist.gather(inp, rows, dst=dst, group=b.group, async_op=True)
+            else:
+                work = dist.all_gather_into_tensor(out.view(-1), inp, group=b.group, async_op=True)
+        except Exception as exc:  # noqa: BLE001
+            raise CollectiveError(
+                f"rank {dist.get_rank()}: launching the gather of bucket {i} failed: {exc}"
+            ) from exc
+        return work, (out if wants else None)
+
+    pending = launch(0)
+    for i in range(len(buckets)):
+        work, out = pending
+        _wait(work, timeout, f"gather of bucket {i}/{len(buckets)}")
+        if i + 1 < len(buckets):
+            pending = launch(i + 1)
+        yield buckets[i], out

@@ -1,0 +1,222 @@
+"""The public entry points: full_state_dict (and, in io/, save/load)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _layout as L
+from . import _ops, _staging
+from ._collectives import Bucket, agree, bucket_parts, build_buckets, gather_buckets
+from ._plan import GatherPlan, _memory_order_flat, build_plan
+from .errors import ShardGatherError
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _verify_options(model: Any, bucket_mb: float, dtype: torch.dtype | None) -> None:
+    if not isinstance(model, nn.Module):
+        raise ShardGatherError(
+            f"expected an nn.Module (plain, DDP, torch.compile'd, FSDP1 or FSDP2), got "
+            f"{type(model).__name__}"
+        )
+    if not bucket_mb > 0:
+        raise ShardGatherError(f"bucket_mb must be > 0, got {bucket_mb}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ShardGatherError(f"dtype must be a floating-point torch.dtype or None, got {dtype}")
+
+
+def _receiving(plan: GatherPlan, rank0_only: bool) -> bool:
+    return not rank0_only or plan.rank == 0
+
+
+def _my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Bucket]:
+    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20))
+    if rank0_only:
+        # Only the shard group holding global rank 0 gathers (one HSDP replica).
+        buckets = [b for b in buckets if 0 in b.ranks]
+    return buckets
+
+
+def _use_gather(buckets: list[Bucket], rank0_only: bool) -> bool:
+    # gloo's gather sends each row once, to the receiver only: half the traffic and
+    # no gathered buffer on the senders. NCCL has no native gather; all-gather there.
+    if not rank0_only or not buckets:
+        return False
+    return all("gloo" in str(dist.get_backend(b.group)).lower() for b in buckets)
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def full_state_dict(
+    model: nn.Module,
+    *,
+    rank0_only: bool = True,
+    dtype: torch.dtype | None = None,
+    bucket_mb: float = 256,
+    pin_memory: bool = False,
+    progress: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> dict[str, torch.Tensor]:
+    """The full, unwrapped state dict of a (sharded) model, on CPU.
+
+    Call it on every rank. Keys are exactly the plain model's ``state_dict()`` keys
+    (no ``_fsdp_wrapped_module.``, ``_flat_param``, ``_checkpoint_wrapped_module.``,
+    ``module.``, ``_orig_mod.``); values are the full-precision stored parameters and
+    the buffers, bit-identical, in their own dtype unless ``dtype`` asks for a cast.
+    Tied parameters appear under every key and share one tensor.
+
+    Args:
+        model: FSDP1 (any sharding strategy), FSDP2 (``fully_shard``, 1-D or HSDP),
+            or a plain / DDP / ``torch.compile``'d module (no process group needed).
+        rank0_only: only global rank 0 gets the dict, the others get ``{}``; with
+            HSDP only rank 0's replica gathers. False: every rank gets it.
+        dtype: cast floating-point tensors to this dtype (fused into the copy-out).
+        bucket_mb: gathered bytes per collective; peak extra host memory is about two
+            buckets.
+        pin_memory: return pinned tensors (fast later host-to-device copies).
+        progress: show a tqdm bar of bytes on the receiving rank(s).
+        timeout: per-collective timeout; a failed or missing rank raises instead of
+            hanging.
+
+    Returns:
+        ``dict[str, Tensor]``: CPU tensors with the plain model's shapes and strides.
+
+    Raises:
+        ShardGatherError: bad arguments.
+        UnsupportedModelError: tensor-parallel or non-dim-0 sharded parameters.
+        CollectiveError: ranks disagree about the model, or a collective failed.
+
+    Example:
+        >>> sd = shardgather.full_state_dict(fsdp_model)   # on every rank
+        >>> if dist.get_rank() == 0:
+        ...     plain_model.load_state_dict(sd)
+    """
+    _verify_options(model, bucket_mb, dtype)
+    plan = build_plan(model, dtype=dtype)
+    agree(plan, timeout)
+    receives = _receiving(plan, rank0_only)
+    outputs: dict[str, torch.Tensor] = {}
+    if receives:
+        for key, e in plan.entries.items():
+            outputs[key] = torch.empty_strided(
+                tuple(e.shape), e.stride, dtype=e.target_dtype, pin_memory=pin_memory
+            )
+    total = sum(e.nbytes for e in plan.entries.values())
+    bar = _Progress(progress and receives, total, "shardgather: gather")
+    try:
+        if receives:
+            for key, e in plan.entries.items():
+                if e.source.group is None:
+                    _copy_local(e.source.local(), e, outputs[key])
+                    bar.update(e.nbytes)
+        buckets = _my_buckets(plan, bucket_mb, rank0_only)
+        by_source = plan.entries_by_source()
+        slot = 0
+        for bucket, rows in gather_buckets(
+            buckets,
+            lambda b: receives,
+            timeout=timeout,
+            use_gather=_use_gather(buckets, rank0_only),
+        ):
+            if rows is None:
+                continue
+            parts = bucket_parts(bucket, by_source)
+            if rows.is_cuda:
+                _copy_out_cuda(rows, parts, outputs, slot)
+                slot ^= 1
+            else:
+                fulls: list[torch.Tensor] = []
+                index: dict[str, int] = {}
+                segs: list[L.Segment] = []
+                for p in parts:
+                    if p.entry.key not in index:
+                        index[p.entry.key] = len(fulls)
+                        fulls.append(_memory_order_flat(outputs[p.entry.key]))
+                    segs.append(_with_dst(p.segment, index[p.entry.key],
+                                          p.start * p.entry.target_dtype.itemsize))
+                _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
+            bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
+    finally:
+        bar.close()
+    if not receives:
+        return {}
+    return {k: outputs[plan.aliases.get(k, k)] for k in plan.keys}
+
+
+def _with_dst(seg: L.Segment, full_index: int, full_byte: int) -> L.Segment:
+    return L.Segment(seg.base, seg.row_numel, seg.col_byte, seg.numel, full_index, full_byte,
+                     seg.shard_kind, seg.full_kind)
+
+
+def _copy_local(src: torch.Tensor, e: Any, out: torch.Tensor) -> None:
+    """A tensor every rank holds in full (buffer, unmanaged or NO_SHARD param)."""
+    flat_out = _memory_order_flat(out)
+    n = e.numel
+    chunk = src[e.base : e.base + n]
+    if chunk.device.type == "cpu" and chunk.is_contiguous() and n > 0:
+        rows = chunk.view(torch.uint8).view(1, -1) if chunk.element_size() > 1 else chunk.view(1, -1)
+        seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(chunk.dtype), L.kind_of(out.dtype))
+        _ops.copy_out(rows.contiguous(), 0, L.segment_table([seg]), [flat_out])
+    elif n > 0:
+        flat_out.copy_(chunk)
+
+
+def _copy_out_cuda(
+    rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tensor], slot: int
+) -> None:
+    """Device rows -> (kernel, writing mapped pinned memory) -> outputs.
+
+    Pinned outputs are written directly; pageable ones through a reused pinned slab
+    and a host memcpy once the kernel is done.
+    """
+    direct = all(outputs[p.entry.key].is_pinned() for p in parts)
+    if direct:
+        fulls: list[torch.Tensor] = []
+        index: dict[str, int] = {}
+        segs: list[L.Segment] = []
+        for p in parts:
+            if p.entry.key not in index:
+                index[p.entry.key] = len(fulls)
+                fulls.append(_memory_order_flat(outputs[p.entry.key]))
+            segs.append(_with_dst(p.segment, index[p.entry.key],
+                                  p.start * p.entry.target_dtype.itemsize))
+        _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
+        torch.cuda.current_stream().synchronize()
+        return
+    sizes = [p.numel * p.entry.target_dtype.itemsize for p in parts]
+    staging = _staging.slab(slot, sum(sizes) + 16 * len(parts))
+    segs = []
+    offsets = []
+    off = 0
+    for p, n in zip(parts, sizes):
+        off = (off + 15) // 16 * 16
+        offsets.append(off)
+        segs.append(_with_dst(p.segment, 0, off))
+        off += n
+    _ops.copy_out(rows, 0, L.segment_table(segs), [staging])
+    torch.cuda.current_stream().synchronize()
+    for p, n, o in zip(parts, sizes, offsets):
+        out = _memory_order_flat(outputs[p.entry.key]).view(torch.uint8)
+        b = p.start * p.entry.target_dtype.itemsize
+        out[b : b + n].copy_(staging[o : o + n])

@@ -1,0 +1,79 @@
+"""Small models with the features that trip gatherers: tied weights, uneven and
+empty shards, persistent/non-persistent buffers, int64 buffers, a frozen bf16 param."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, frozen_bf16: bool = False) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 3 * d + 1)
+        self.fc2 = nn.Linear(3 * d + 1, d)
+        # A parameter whose dim 0 (1) is smaller than any world size > 1: empty shards.
+        self.gain = nn.Parameter(torch.randn(1, d))
+        if frozen_bf16:
+            self.gate = nn.Parameter(torch.randn(5, d).to(torch.bfloat16), requires_grad=False)
+        else:
+            self.gate = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.relu(self.fc1(self.ln(x)))) * self.gain
+        if self.gate is not None:
+            h = h + self.gate.float().sum(0)
+        return x + h
+
+
+class TinyLM(nn.Module):
+    def __init__(
+        self, vocab: int = 37, d: int = 12, n_layers: int = 3, tied: bool = True,
+        frozen_bf16: bool = False,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d, frozen_bf16) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(d)
+        self.bn = nn.BatchNorm1d(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) * self.scale
+        for b in self.blocks:
+            h = b(h)
+        h = self.bn(self.norm(h).transpose(1, 2)).transpose(1, 2)
+        return self.lm_head(h)
+
+
+class ConvNet(nn.Module):
+    """A channels_last conv weight: FSDP1 flattens it in memory order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3)
+        self.conv.weight.data = self.conv.weight.data.to(memory_format=torch.channels_last)
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def batch(rank: int, step: int, vocab: int = 37) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (4, 6), generator=g)
+
+
+def train_steps(model: nn.Module, rank: int, steps: int, opt: torch.optim.Optimizer) -> float:
+    loss = torch.tensor(0.0)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(batch(rank, s)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+    return float(loss)

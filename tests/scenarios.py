@@ -1,0 +1,313 @@
+"""Worker-side scenarios for the distributed tests (run by dist_harness.run).
+
+Each builds a real FSDP model, gathers it with shardgather, and returns (from rank 0)
+the problems found against the oracles: the plain model built from the same seed
+(before training) and torch's own full state dict (after training steps).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardgather as sg
+
+from .compare import diff_state_dicts
+from .models import Block, ConvNet, TinyLM, train_steps
+
+FSDP1_CASES = {
+    # id: (world, kwargs)
+    "full_shard": (2, {}),
+    "full_shard-orig_params": (2, {"use_orig_params": True}),
+    "shard_grad_op": (2, {"strategy": "SHARD_GRAD_OP"}),
+    "shard_grad_op-orig_params": (2, {"strategy": "SHARD_GRAD_OP", "use_orig_params": True}),
+    "no_shard": (2, {"strategy": "NO_SHARD"}),
+    "world3": (3, {}),
+    "world3-orig_params": (3, {"use_orig_params": True}),
+    # torch's FSDP1 CPUOffload pins memory at lazy init, which needs a GPU: on a
+    # CPU-only machine only the state before the first forward can be checked.
+    "cpu_offload-before_forward": (2, {"cpu_offload": True, "train": False}),
+    "mixed_precision": (2, {"mixed_precision": True}),
+    "ignored_modules": (2, {"ignored": True}),
+    "non_fsdp_root": (2, {"non_fsdp_root": True}),
+    "ac_inside": (2, {"ac": "inside"}),
+    "ac_outside": (2, {"ac": "outside"}),
+    "untied": (2, {"tied": False}),
+    "no_autowrap": (2, {"autowrap": False}),
+    "hybrid_shard": (4, {"strategy": "HYBRID_SHARD"}),
+    "hybrid_shard_zero2": (4, {"strategy": "_HYBRID_SHARD_ZERO2"}),
+    "compiled": (2, {"compile": True}),
+    "small_bucket": (2, {"bucket_mb": 0.0005}),
+    "bf16_cast": (2, {"dtype": torch.bfloat16}),
+    "all_ranks": (2, {"rank0_only": False}),
+}
+
+FSDP2_CASES = {
+    "1d": (2, {}),
+    "1d-world3": (3, {}),
+    "no_reshard": (2, {"reshard_after_forward": False}),
+    "mixed_dtype": (2, {"frozen_bf16": True}),
+    "cpu_offload": (2, {"cpu_offload": True}),
+    "hsdp": (4, {"hsdp": True}),
+    "hsdp-all_ranks": (4, {"hsdp": True, "rank0_only": False}),
+    "untied": (2, {"tied": False}),
+    "ac_inside": (2, {"ac": "inside"}),
+    "small_bucket": (2, {"bucket_mb": 0.0005}),
+    "bf16_cast": (2, {"dtype": torch.bfloat16}),
+}
+
+
+def _strategy(name: str):  # type: ignore[no-untyped-def]
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return getattr(ShardingStrategy, name)
+
+
+def _apply_ac(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+
+
+def _expected(plain: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    sd = plain.state_dict()
+    if dtype is None:
+        return sd
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def _check(rank: int, got: dict, want: dict | None, rank0_only: bool, **kw) -> list[str]:  # type: ignore[type-arg]
+    if rank0_only and rank != 0:
+        return [] if got == {} else [f"rank {rank} got {len(got)} keys, expected {{}}"]
+    assert want is not None
+    problems = diff_state_dicts(got, want, **kw)
+    # Tied weights: both keys, one tensor.
+    if "lm_head.weight" in got and "embed.weight" in got and want["lm_head.weight"] is not None:
+        tied = want["lm_head.weight"].data_ptr() == want["embed.weight"].data_ptr() if (
+            want is not None and isinstance(want["embed.weight"], torch.Tensor)
+        ) else False
+        if tied and got["lm_head.weight"] is not got["embed.weight"]:
+            problems.append("tied weights are not one shared tensor")
+    return problems
+
+
+def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-arg]
+    from torch.distributed.fsdp import (
+        CPUOffload,
+        FullStateDictConfig,
+        MixedPrecision,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    _, kw = FSDP1_CASES[case]
+    torch.manual_seed(0)
+    model = TinyLM(tied=kw.get("tied", True))
+    if kw.get("ac") == "inside":
+        _apply_ac(model)
+    plain = copy.deepcopy(model)
+    fsdp_kwargs: dict = {
+        "device_id": torch.device("cpu"),
+        "use_orig_params": kw.get("use_orig_params", False),
+        "sharding_strategy": _strategy(kw.get("strategy", "FULL_SHARD")),
+    }
+    if kw.get("autowrap", True):
+        fsdp_kwargs["auto_wrap_policy"] = ModuleWrapPolicy({Block})
+    if "HYBRID" in kw.get("strategy", ""):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fsdp_kwargs["device_mesh"] = init_device_mesh("cpu", (2, world // 2))
+    if kw.get("cpu_offload"):
+        fsdp_kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    if kw.get("mixed_precision"):
+        fsdp_kwargs["mixed_precision"] = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16
+        )
+    if kw.get("ignored"):
+        fsdp_kwargs["ignored_modules"] = [model.bn]
+    if kw.get("non_fsdp_root"):
+        for i, b in enumerate(model.blocks):
+            model.blocks[i] = FSDP(b, **{k: v for k, v in fsdp_kwargs.items()
+                                         if k != "auto_wrap_policy"})
+        wrapped: nn.Module = model
+    else:
+        wrapped = FSDP(model, **fsdp_kwargs)
+    if kw.get("ac") == "outside":
+        _apply_ac(wrapped)
+    if kw.get("compile"):
+        wrapped = torch.compile(wrapped)
+    opts = {
+        "rank0_only": kw.get("rank0_only", True),
+        "bucket_mb": kw.get("bucket_mb", 256),
+        "dtype": kw.get("dtype"),
+    }
+
+    # 1. Right after wrapping (lazy init not run): the plain model is the oracle.
+    got = sg.full_state_dict(wrapped, **opts)
+    problems = [
+        "before training: " + p
+        for p in _check(rank, got, _expected(plain, opts["dtype"]), opts["rank0_only"])
+    ]
+
+    if not kw.get("train", True):
+        return {"problems": problems, "keys": len(got)}
+    # 2. After training steps: torch's FULL_STATE_DICT is the oracle.
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    train_steps(wrapped, rank, 2, opt)
+    got = sg.full_state_dict(wrapped, **opts)
+    if not kw.get("non_fsdp_root"):
+        fsdp_root = wrapped._orig_mod if kw.get("compile") else wrapped
+        with FSDP.state_dict_type(
+            fsdp_root, StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        ):
+            ref = fsdp_root.state_dict()
+        ref = {sg.clean_fqn(k): v for k, v in ref.items()}
+        if rank == 0:
+            if opts["dtype"] is not None:
+                ref = {k: v.to(opts["dtype"]) if v.is_floating_point() else v
+                       for k, v in ref.items()}
+            # torch's FSDP1 re-registers tied/flattened params, so its key order is not
+            # the plain model's: compare its values, and our order against the plain model.
+            problems += ["after training vs torch: " + p
+                         for p in diff_state_dicts(got, ref, order=False, strides=False)]
+            plain_keys = list(plain.state_dict())
+            if list(got) != plain_keys:
+                problems.append(f"key order != plain model: {list(got)} vs {plain_keys}")
+        elif opts["rank0_only"] and got != {}:
+            problems.append(f"rank {rank} got a non-empty dict")
+    # 3. Training continues bit-identically: one more step works and params still shard.
+    train_steps(wrapped, rank, 1, opt)
+    return {"problems": problems, "keys": len(got)}
+
+
+def fsdp1_channels_last(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    plain = copy.deepcopy(model)
+    wrapped = FSDP(model, device_id=torch.device("cpu"))
+    got = sg.full_state_dict(wrapped)
+    return {"problems": _check(rank, got, plain.state_dict(), True)}
+
+
+def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-arg]
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    _, kw = FSDP2_CASES[case]
+    torch.manual_seed(0)
+    model = TinyLM(tied=kw.get("tied", True), frozen_bf16=kw.get("frozen_bf16", False))
+    if kw.get("ac") == "inside":
+        _apply_ac(model)
+    plain = copy.deepcopy(model)
+    if kw.get("hsdp"):
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    shard_kw: dict = {"mesh": mesh, "reshard_after_forward": kw.get("reshard_after_forward", True)}
+    if kw.get("cpu_offload"):
+        shard_kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    for b in model.blocks:
+        fully_shard(b, **shard_kw)
+    fully_shard(model, **shard_kw)
+    opts = {
+        "rank0_only": kw.get("rank0_only", True),
+        "bucket_mb": kw.get("bucket_mb", 256),
+        "dtype": kw.get("dtype"),
+    }
+    got = sg.full_state_dict(model, **opts)
+    problems = [
+        "before training: " + p
+        for p in _check(rank, got, _expected(plain, opts["dtype"]), opts["rank0_only"])
+    ]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    train_steps(model, rank, 2, opt)
+    if kw.get("reshard_after_forward") is False:
+        # Leave the params unsharded at call time: a forward without backward.
+        with torch.no_grad():
+            model(torch.zeros(2, 3, dtype=torch.long))
+    with torch.no_grad():
+        got = sg.full_state_dict(model, **opts)
+    ref = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        if opts["dtype"] is not None:
+            ref = {k: v.to(opts["dtype"]) if v.is_floating_point() else v for k, v in ref.items()}
+        problems += ["after training vs torch: " + p for p in diff_state_dicts(got, ref)]
+    elif opts["rank0_only"] and got != {}:
+        problems.append(f"rank {rank} got a non-empty dict")
+    elif not opts["rank0_only"]:
+        problems += [f"rank {rank}: " + p for p in diff_state_dicts(
+            got, _recv_reference(got, rank))]
+    train_steps(model, rank, 1, opt)
+    return {"problems": problems, "keys": len(got)}
+
+
+def _recv_reference(got: dict, rank: int) -> dict:  # type: ignore[type-arg]
+    """Rank 0's dict, broadcast: every rank must have received the same values."""
+    obj = [got if rank == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def ddp_case(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    torch.manual_seed(0)
+    model = TinyLM()
+    plain = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    got = sg.full_state_dict(ddp)
+    return {"problems": _check(rank, got, plain.state_dict(), True)}
+
+
+def mismatched_models(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(TinyLM(d=12 if rank == 0 else 16), device_id=torch.device("cpu"))
+    try:
+        sg.full_state_dict(model)
+    except sg.CollectiveError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
+def rank_fails_midway(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    """Rank 1 dies after the plan agreement: every other rank must raise, not hang."""
+    import datetime
+    import os
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from shardgather import _collectives
+
+    torch.manual_seed(0)
+    model = FSDP(TinyLM(), device_id=torch.device("cpu"))
+    if rank == 1:
+        orig = _collectives.gather_buckets
+
+        @functools.wraps(orig)
+        def dying(*a, **k):  # type: ignore[no-untyped-def]
+            torch.save({"raised": "died"}, os.environ.get("SG_DUMMY", "/dev/null"))
+            os._exit(3)
+            yield  # pragma: no cover
+
+        import shardgather.api
+
+        shardgather.api.gather_buckets = dying
+    try:
+        sg.full_state_dict(model, timeout=datetime.timedelta(seconds=20))
+    except sg.CollectiveError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}

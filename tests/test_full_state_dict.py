@@ -1,0 +1,78 @@
+"""full_state_dict on real FSDP1/FSDP2 models in 2-4 gloo processes, bit-exact
+against the plain model (before training) and torch's own full state dict (after)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardgather as sg
+
+from . import dist_harness
+from .compare import diff_state_dicts
+from .models import TinyLM
+from .scenarios import FSDP1_CASES, FSDP2_CASES
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("case", list(FSDP1_CASES))
+def test_fsdp1(case: str) -> None:
+    world, _ = FSDP1_CASES[case]
+    results = dist_harness.run("tests.scenarios:fsdp1_case", world, case=case)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert results[0]["keys"] > 0
+
+
+@pytest.mark.parametrize("case", list(FSDP2_CASES))
+def test_fsdp2(case: str) -> None:
+    world, _ = FSDP2_CASES[case]
+    results = dist_harness.run("tests.scenarios:fsdp2_case", world, case=case)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+
+
+def test_fsdp1_channels_last_conv_keeps_plain_stride() -> None:
+    results = dist_harness.run("tests.scenarios:fsdp1_channels_last", 2)
+    assert not results[0]["problems"], results[0]["problems"]
+
+
+def test_ddp_wrapped() -> None:
+    results = dist_harness.run("tests.scenarios:ddp_case", 2)
+    assert not results[0]["problems"], results[0]["problems"]
+
+
+def test_mismatched_models_raise_on_every_rank() -> None:
+    results = dist_harness.run("tests.scenarios:mismatched_models", 2)
+    for r in results:
+        assert r["raised"] == "CollectiveError", r
+        assert "same" in r["message"]
+
+
+def test_rank_dying_mid_gather_raises_instead_of_hanging() -> None:
+    results = dist_harness.run("tests.scenarios:rank_fails_midway", 2, timeout=120,
+                               _allow_missing=(1,))
+    assert results[0]["raised"] == "CollectiveError", results[0]
+
+
+def test_plain_module_without_process_group() -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    got = sg.full_state_dict(model)
+    assert not diff_state_dicts(got, model.state_dict())
+    assert got["lm_head.weight"] is got["embed.weight"]
+    # Copies, not references: the caller may mutate them.
+    assert got["embed.weight"].data_ptr() != model.embed.weight.data_ptr()
+
+
+def test_compiled_plain_module_has_clean_keys() -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    got = sg.full_state_dict(torch.compile(model))
+    assert list(got) == list(model.state_dict())
+
+
+def test_not_a_module_is_a_clear_error() -> None:
+    with pytest.raises(sg.ShardGatherError, match="nn.Module"):
+        sg.full_state_dict({"a": torch.zeros(1)})  # type: ignore[arg-type]
