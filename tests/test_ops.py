@@ -1,0 +1,260 @@
+"""copy_out / copy_in: bit-exact against the pure-torch reference over the layout
+matrix (element sizes, world sizes, uneven/empty shards, casts), opcheck, and
+argument errors that name the op and the argument."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from shardgather import _layout as L
+from shardgather import _reference
+
+ops = torch.ops.shardgather
+
+DTYPES = {
+    "u8": torch.uint8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64,
+    "bool": torch.bool, "f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32,
+    "f64": torch.float64, "c128": torch.complex128,
+}
+CASTS = [("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"), ("f16", "f32"), ("f64", "f32"),
+         ("f32", "f64"), ("bf16", "f16")]
+
+
+def _values(n: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -(2**31)), min(info.max, 2**31 - 1), (n,),
+                         generator=g, dtype=torch.int64).to(dtype)
+
+
+def _flat_layout(world: int, numels: list[int], dtype: torch.dtype, out_dtype: torch.dtype,
+                 seed: int):
+    """An FSDP1-like flat source: params back to back, padded to world * P, gathered."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = [_values(n, dtype, g) for n in numels]
+    total = sum(numels)
+    p = max(1, math.ceil(total / world))
+    flat = torch.zeros(world * p, dtype=dtype)
+    if total:
+        flat[:total] = torch.cat(fulls)
+    shards = flat.view(torch.uint8).view(world, -1).contiguous()
+    segs, base = [], 0
+    for i, n in enumerate(numels):
+        segs.append(L.Segment(base, p, 0, n, i, 0, L.kind_of(dtype), L.kind_of(out_dtype)))
+        base += n
+    return fulls, shards, L.segment_table(segs), flat
+
+
+def _brute_force(flat: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    """The obvious answer: torch.cat(shards)[:numel] split per param."""
+    return list(torch.split(flat[: sum(numels)], numels))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_copy_out_matches_reference_and_brute_force(world: int, dtype: str) -> None:
+    dt = DTYPES[dtype]
+    numels = [7, 0, 1, 33, 4, 2]  # uneven, a zero-numel param, a 1-element (0-d) param
+    fulls, shards, table, flat = _flat_layout(world, numels, dt, dt, seed=world)
+    got = [torch.empty(n, dtype=dt) for n in numels]
+    ref = [torch.empty(n, dtype=dt) for n in numels]
+    ops.copy_out(shards, 0, table, got)
+    _reference.copy_out(shards, 0, table, ref)
+    for a, b, c in zip(got, ref, _brute_force(flat, numels)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("cast", CASTS, ids=[f"{a}->{b}" for a, b in CASTS])
+def test_copy_out_cast_is_tensor_to(world: int, cast: tuple[str, str]) -> None:
+    src, dst = DTYPES[cast[0]], DTYPES[cast[1]]
+    numels = [50, 3, 129]
+    fulls, shards, table, _ = _flat_layout(world, numels, src, dst, seed=7)
+    got = [torch.empty(n, dtype=dst) for n in numels]
+    ops.copy_out(shards, 0, table, got)
+    for a, f in zip(got, fulls):
+        assert torch.equal(a, f.to(dst))  # round-to-nearest-even exactly like Tensor.to
+
+
+def test_cast_special_values() -> None:
+    v = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, 65504.0, 1e6, 3.3895e38])
+    shards = v.view(torch.uint8).view(1, -1)
+    for dst in (torch.bfloat16, torch.float16):
+        out = torch.empty(v.numel(), dtype=dst)
+        seg = L.Segment(0, v.numel(), 0, v.numel(), 0, 0, L.F32, L.kind_of(dst))
+        ops.copy_out(shards, 0, L.segment_table([seg]), [out])
+        assert torch.equal(out.view(torch.int16), v.to(dst).view(torch.int16))
+    nan = torch.tensor([float("nan")]).view(torch.uint8).view(1, -1)
+    out = torch.empty(1, dtype=torch.bfloat16)
+    ops.copy_out(nan, 0, L.segment_table([L.Segment(0, 1, 0, 1, 0, 0, L.F32, L.BF16)]), [out])
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", ["u8", "bf16", "f32", "f64"])
+def test_copy_in_is_the_inverse_per_rank(world: int, dtype: str) -> None:
+    dt = DTYPES[dtype]
+    numels = [7, 0, 1, 33, 4, 2]
+    fulls, shards, table, _ = _flat_layout(world, numels, dt, dt, seed=3)
+    for rank in range(world):
+        row = torch.zeros(1, shards.shape[1], dtype=torch.uint8)
+        ref = row.clone()
+        ops.copy_in(fulls, table, row, rank)
+        _reference.copy_in(fulls, table, ref, rank)
+        assert torch.equal(row, ref)
+        # Padding is never written, so compare the unpadded part of the row.
+        assert torch.equal(row[0], shards[rank]) or rank == world - 1
+    whole = torch.zeros_like(shards)
+    ops.copy_in(fulls, table, whole, 0)
+    back = [torch.empty_like(f) for f in fulls]
+    ops.copy_out(whole, 0, table, back)
+    assert all(torch.equal(a, b) for a, b in zip(back, fulls))
+
+
+def test_one_rank_row_copies_only_its_elements() -> None:
+    fulls, shards, table, _ = _flat_layout(3, [10, 11], torch.float32, torch.float32, seed=1)
+    out = [torch.full((n,), -1.0) for n in (10, 11)]
+    ops.copy_out(shards[1:2].contiguous(), 1, table, out)
+    ref = [torch.full((n,), -1.0) for n in (10, 11)]
+    _reference.copy_out(shards[1:2].contiguous(), 1, table, ref)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert (out[0] == -1).sum() == 7 + 0  # P = 7: rank 1 holds flat [7, 14)
+
+
+def test_fsdp2_mixed_dtype_uint8_packing() -> None:
+    """Two params of different dtypes packed side by side in one uint8 row (FSDP2 style)."""
+    world, g = 3, torch.Generator().manual_seed(0)
+    a = torch.randn(7, 4, generator=g)  # fp32, dim0 7 -> 3 rows/rank, P = 12
+    b = torch.randn(2, 3, generator=g).to(torch.bfloat16)  # dim0 2 < world: empty shard
+    pa, pb = 12, 3
+    rows = []
+    for r in range(world):
+        ra = torch.zeros(pa)
+        sa = a[3 * r : 3 * r + 3].reshape(-1)
+        ra[: sa.numel()] = sa
+        rb = torch.zeros(pb, dtype=torch.bfloat16)
+        sb = b[r : r + 1].reshape(-1)
+        rb[: sb.numel()] = sb
+        rows.append(torch.cat([ra.view(torch.uint8), rb.view(torch.uint8), torch.zeros(10, dtype=torch.uint8)]))
+    shards = torch.stack(rows)
+    table = L.segment_table([
+        L.Segment(0, pa, 0, 28, 0, 0, L.F32, L.F32),
+        L.Segment(0, pb, 48, 6, 1, 0, L.BF16, L.F32),
+    ])
+    out = [torch.empty(7, 4), torch.empty(2, 3)]
+    ops.copy_out(shards, 0, table, out)
+    assert torch.equal(out[0], a) and torch.equal(out[1], b.float())
+
+
+def test_column_chunks_reassemble() -> None:
+    """A source gathered in column chunks (split_columns) gives the same tensors."""
+    world, numels = 3, [10, 17, 5]
+    fulls, shards, table, flat = _flat_layout(world, numels, torch.float32, torch.float32, 2)
+    p = shards.shape[1] // 4
+    out = [torch.empty(n) for n in numels]
+    segs = [L.Segment(*row.tolist()) for row in table]
+    for lo in range(0, p, 4):
+        hi = min(p, lo + 4)
+        chunk = shards.view(world, p, 4)[:, lo:hi].reshape(world, -1).contiguous()
+        parts = [s for seg in segs for s in L.split_columns(seg, world, lo, hi, 0)]
+        ops.copy_out(chunk, 0, L.segment_table(parts), out)
+    assert all(torch.equal(a, b) for a, b in zip(out, fulls))
+
+
+def test_layout_twin_against_brute_force() -> None:
+    rnd = random.Random(0)
+    for _ in range(200):
+        world, numel, base = rnd.randint(1, 6), rnd.randint(0, 50), rnd.randint(0, 20)
+        p = max(1, math.ceil((base + numel) / world))
+        pos = torch.arange(world * p).view(world, p)
+        for e in range(numel):
+            r, c = L.row_of(base, p, e), L.col_of(base, p, e)
+            assert pos[r, c] == base + e
+
+
+@pytest.mark.parametrize("op", ["copy_out", "copy_in"])
+def test_opcheck(op: str) -> None:
+    fulls, shards, table, _ = _flat_layout(3, [5, 8], torch.float32, torch.float32, seed=0)
+    if op == "copy_out":
+        args = (shards, 0, table, [torch.empty(5), torch.empty(8)])
+    else:
+        args = (fulls, table, torch.zeros_like(shards), 0)
+    torch.library.opcheck(getattr(ops, op).default, args)
+
+
+def _good():
+    fulls, shards, table, _ = _flat_layout(2, [5, 8], torch.float32, torch.float32, seed=0)
+    return shards, table, [torch.empty(5), torch.empty(8)]
+
+
+BAD_CALLS = {
+    "table-dtype": (lambda s, t, f: (s, 0, t.int(), f), "'segments' must have dtype Long"),
+    "table-cols": (lambda s, t, f: (s, 0, t[:, :5].contiguous(), f), "8 columns"),
+    "shards-dtype": (lambda s, t, f: (s.float(), 0, t, f), "'shards' must have dtype Byte"),
+    "shards-noncontig": (lambda s, t, f: (s.t(), 0, t, f), "'shards' must be contiguous"),
+    "full-noncontig": (lambda s, t, f: (s, 0, t, [f[0], torch.empty(8, 2)[:, 0]]),
+                       "'fulls\\[1\\]' must be contiguous"),
+    "full-too-small": (lambda s, t, f: (s, 0, t, [f[0], torch.empty(7)]), "out of range of fulls"),
+    "full-index": (lambda s, t, f: (s, 0, t, [f[0]]), "index 1 out of range"),
+    "row-overflow": (lambda s, t, f: (s[:, :8].contiguous(), 0, t, f), "do not fit a row"),
+    "bad-kind": (lambda s, t, f: (s, 0, _set(t, L.SHARD_KIND, 42), f), "unknown element kind"),
+    "raw-to-float": (lambda s, t, f: (s, 0, _set(t, L.SHARD_KIND, L.RAW4), f), "cannot cast"),
+    "negative-numel": (lambda s, t, f: (s, 0, _set(t, L.NUMEL, -1), f), "negative numel"),
+    "zero-P": (lambda s, t, f: (s, 0, _set(t, L.ROW_NUMEL, 0), f), "must be > 0"),
+}
+
+
+def _set(t: torch.Tensor, col: int, v: int) -> torch.Tensor:
+    t = t.clone()
+    t[:, col] = v
+    return t
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_arguments_raise_naming_op_and_argument(case: str) -> None:
+    make, msg = BAD_CALLS[case]
+    shards, table, fulls = _good()
+    with pytest.raises(RuntimeError, match=f"shardgather::copy_out: .*{msg}"):
+        ops.copy_out(*make(shards, table, fulls))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dst", ["device", "pinned"])
+@pytest.mark.parametrize("cast", [("f32", "f32"), ("f32", "bf16"), ("bf16", "f32"), ("u8", "u8")],
+                         ids=lambda c: f"{c[0]}->{c[1]}")
+def test_cuda_copy_out_matches_cpu(dst: str, cast: tuple[str, str]) -> None:
+    src_dt, dst_dt = DTYPES[cast[0]], DTYPES[cast[1]]
+    numels = [7, 0, 1, 3300, 4, 100003]
+    fulls, shards, table, _ = _flat_layout(3, numels, src_dt, dst_dt, seed=5)
+    want = [torch.empty(n, dtype=dst_dt) for n in numels]
+    ops.copy_out(shards, 0, table, want)
+    if dst == "device":
+        got = [torch.empty(n, dtype=dst_dt, device="cuda") for n in numels]
+    else:
+        got = [torch.empty(n, dtype=dst_dt, pin_memory=True) for n in numels]
+    ops.copy_out(shards.cuda(), 0, table, got)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    # copy_in back on the device: the inverse.
+    back = torch.zeros_like(shards).cuda()
+    ops.copy_in([g if g.is_cuda else g for g in got], table, back, 0) if src_dt == dst_dt else None
+    if src_dt == dst_dt:
+        out2 = [torch.empty(n, dtype=dst_dt) for n in numels]
+        ops.copy_out(back.cpu(), 0, table, out2)
+        assert all(torch.equal(a, b) for a, b in zip(out2, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rejects_pageable_cpu_destination() -> None:
+    shards, table, fulls = _good()
+    with pytest.raises(RuntimeError, match="pinned CPU"):
+        ops.copy_out(shards.cuda(), 0, table, fulls)
