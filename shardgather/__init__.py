@@ -25,6 +25,6 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-from .api import full_state_dict  # noqa: E402
+from .api import full_state_dict
 
 __all__ += ["full_state_dict"]

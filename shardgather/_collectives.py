@@ -99,8 +99,16 @@ def bucket_parts(bucket: Bucket, by_source: dict[int, list[Entry]]) -> list[Segm
         for e in by_source.get(src.index, []):
             if e.numel == 0:
                 continue
-            seg = L.Segment(e.base, src.row_numel, piece.col_byte, e.numel, 0, 0, kind,
-                            L.kind_of(e.target_dtype))
+            seg = L.Segment(
+                e.base,
+                src.row_numel,
+                piece.col_byte,
+                e.numel,
+                0,
+                0,
+                kind,
+                L.kind_of(e.target_dtype),
+            )
             if piece.whole:
                 parts.append(SegmentPart(e, 0, e.numel, seg))
                 continue
@@ -123,7 +131,7 @@ def agree(plan: GatherPlan, timeout: datetime.timedelta) -> None:
     gathered: list[object] = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(gathered, mine)
-    except Exception as exc:  # noqa: BLE001 - any backend failure becomes ours
+    except Exception as exc:
         raise CollectiveError(
             f"rank {dist.get_rank()}: ranks could not exchange their gather plans ({exc}). "
             "Call shardgather on every rank of the job, with the same model."
@@ -140,7 +148,7 @@ def agree(plan: GatherPlan, timeout: datetime.timedelta) -> None:
 def _wait(work, timeout: datetime.timedelta, what: str) -> None:  # type: ignore[no-untyped-def]
     try:
         ok = work.wait(timeout)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CollectiveError(
             f"rank {dist.get_rank()}: {what} failed: {exc}. Another rank probably failed or "
             "left; check its log. No output was produced."
@@ -212,7 +220,7 @@ def gather_buckets(
                 work = dist.gather(inp, rows, dst=dst, group=b.group, async_op=True)
             else:
                 work = dist.all_gather_into_tensor(out.view(-1), inp, group=b.group, async_op=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise CollectiveError(
                 f"rank {dist.get_rank()}: launching the gather of bucket {i} failed: {exc}"
             ) from exc

@@ -78,7 +78,9 @@ def segment_table(segments: list[Segment]) -> torch.Tensor:
     return torch.tensor([s.as_row() for s in segments], dtype=torch.int64)
 
 
-def split_columns(seg: Segment, rows: int, col_lo: int, col_hi: int, width_byte: int) -> list[Segment]:
+def split_columns(
+    seg: Segment, rows: int, col_lo: int, col_hi: int, width_byte: int
+) -> list[Segment]:
     """Re-express the part of ``seg`` in columns ``[col_lo, col_hi)`` of each row as
     segments of a chunk buffer whose rows are ``col_hi - col_lo`` elements wide and
     start at byte column ``width_byte``. Used to gather a huge source in chunks.

@@ -101,9 +101,7 @@ def _contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _is_dense(t: torch.Tensor) -> bool:
-    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or (
-        t.dim() == 0
-    )
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or (t.dim() == 0)
 
 
 def _memory_order_flat(t: torch.Tensor) -> torch.Tensor:
@@ -425,7 +423,9 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def _local_entry(key: str, t: torch.Tensor, sources: list[Source], is_buffer: bool = False) -> Entry:
+def _local_entry(
+    key: str, t: torch.Tensor, sources: list[Source], is_buffer: bool = False
+) -> Entry:
     src = _local_source(t, key, sources)
     shape = t.shape
     stride = tuple(t.stride()) if _is_dense(t) else _contiguous_stride(shape)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import time
 from typing import Any
 
 import torch
@@ -153,8 +152,11 @@ def full_state_dict(
                     if p.entry.key not in index:
                         index[p.entry.key] = len(fulls)
                         fulls.append(_memory_order_flat(outputs[p.entry.key]))
-                    segs.append(_with_dst(p.segment, index[p.entry.key],
-                                          p.start * p.entry.target_dtype.itemsize))
+                    segs.append(
+                        _with_dst(
+                            p.segment, index[p.entry.key], p.start * p.entry.target_dtype.itemsize
+                        )
+                    )
                 _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
             bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
     finally:
@@ -165,8 +167,16 @@ def full_state_dict(
 
 
 def _with_dst(seg: L.Segment, full_index: int, full_byte: int) -> L.Segment:
-    return L.Segment(seg.base, seg.row_numel, seg.col_byte, seg.numel, full_index, full_byte,
-                     seg.shard_kind, seg.full_kind)
+    return L.Segment(
+        seg.base,
+        seg.row_numel,
+        seg.col_byte,
+        seg.numel,
+        full_index,
+        full_byte,
+        seg.shard_kind,
+        seg.full_kind,
+    )
 
 
 def _copy_local(src: torch.Tensor, e: Any, out: torch.Tensor) -> None:
@@ -175,7 +185,9 @@ def _copy_local(src: torch.Tensor, e: Any, out: torch.Tensor) -> None:
     n = e.numel
     chunk = src[e.base : e.base + n]
     if chunk.device.type == "cpu" and chunk.is_contiguous() and n > 0:
-        rows = chunk.view(torch.uint8).view(1, -1) if chunk.element_size() > 1 else chunk.view(1, -1)
+        rows = (
+            chunk.view(torch.uint8).view(1, -1) if chunk.element_size() > 1 else chunk.view(1, -1)
+        )
         seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(chunk.dtype), L.kind_of(out.dtype))
         _ops.copy_out(rows.contiguous(), 0, L.segment_table([seg]), [flat_out])
     elif n > 0:
@@ -199,8 +211,9 @@ def _copy_out_cuda(
             if p.entry.key not in index:
                 index[p.entry.key] = len(fulls)
                 fulls.append(_memory_order_flat(outputs[p.entry.key]))
-            segs.append(_with_dst(p.segment, index[p.entry.key],
-                                  p.start * p.entry.target_dtype.itemsize))
+            segs.append(
+                _with_dst(p.segment, index[p.entry.key], p.start * p.entry.target_dtype.itemsize)
+            )
         _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
         torch.cuda.current_stream().synchronize()
         return

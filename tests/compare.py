@@ -6,7 +6,10 @@ import torch
 
 
 def diff_state_dicts(
-    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, order: bool = True,
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    *,
+    order: bool = True,
     strides: bool = True,
 ) -> list[str]:
     problems: list[str] = []

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, target: str, kwargs: dict, tmp: str) -> None:
         module_name, fn_name = target.rsplit(":", 1)
         fn = getattr(importlib.import_module(module_name), fn_name)
         result = fn(rank, world, **kwargs)
-    except BaseException:  # noqa: BLE001 - report anything to the parent
+    except BaseException:
         result = {"__error__": traceback.format_exc()}
     torch.save(result, f"{tmp}/result_{rank}.pt")
     try:
@@ -49,7 +49,10 @@ def _worker(rank: int, world: int, target: str, kwargs: dict, tmp: str) -> None:
 
 
 def run(
-    target: str, world: int, timeout: float = 300, _allow_missing: tuple[int, ...] = (),
+    target: str,
+    world: int,
+    timeout: float = 300,
+    _allow_missing: tuple[int, ...] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``module:function(rank, world, **kwargs)`` on ``world`` gloo ranks.

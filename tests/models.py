@@ -29,7 +29,11 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     def __init__(
-        self, vocab: int = 37, d: int = 12, n_layers: int = 3, tied: bool = True,
+        self,
+        vocab: int = 37,
+        d: int = 12,
+        n_layers: int = 3,
+        tied: bool = True,
         frozen_bf16: bool = False,
     ) -> None:
         super().__init__()

@@ -89,9 +89,11 @@ def _check(rank: int, got: dict, want: dict | None, rank0_only: bool, **kw) -> l
     problems = diff_state_dicts(got, want, **kw)
     # Tied weights: both keys, one tensor.
     if "lm_head.weight" in got and "embed.weight" in got and want["lm_head.weight"] is not None:
-        tied = want["lm_head.weight"].data_ptr() == want["embed.weight"].data_ptr() if (
-            want is not None and isinstance(want["embed.weight"], torch.Tensor)
-        ) else False
+        tied = (
+            want["lm_head.weight"].data_ptr() == want["embed.weight"].data_ptr()
+            if (want is not None and isinstance(want["embed.weight"], torch.Tensor))
+            else False
+        )
         if tied and got["lm_head.weight"] is not got["embed.weight"]:
             problems.append("tied weights are not one shared tensor")
     return problems
@@ -134,8 +136,9 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         fsdp_kwargs["ignored_modules"] = [model.bn]
     if kw.get("non_fsdp_root"):
         for i, b in enumerate(model.blocks):
-            model.blocks[i] = FSDP(b, **{k: v for k, v in fsdp_kwargs.items()
-                                         if k != "auto_wrap_policy"})
+            model.blocks[i] = FSDP(
+                b, **{k: v for k, v in fsdp_kwargs.items() if k != "auto_wrap_policy"}
+            )
         wrapped: nn.Module = model
     else:
         wrapped = FSDP(model, **fsdp_kwargs)
@@ -165,19 +168,23 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
     if not kw.get("non_fsdp_root"):
         fsdp_root = wrapped._orig_mod if kw.get("compile") else wrapped
         with FSDP.state_dict_type(
-            fsdp_root, StateDictType.FULL_STATE_DICT,
+            fsdp_root,
+            StateDictType.FULL_STATE_DICT,
             FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
         ):
             ref = fsdp_root.state_dict()
         ref = {sg.clean_fqn(k): v for k, v in ref.items()}
         if rank == 0:
             if opts["dtype"] is not None:
-                ref = {k: v.to(opts["dtype"]) if v.is_floating_point() else v
-                       for k, v in ref.items()}
+                ref = {
+                    k: v.to(opts["dtype"]) if v.is_floating_point() else v for k, v in ref.items()
+                }
             # torch's FSDP1 re-registers tied/flattened params, so its key order is not
             # the plain model's: compare its values, and our order against the plain model.
-            problems += ["after training vs torch: " + p
-                         for p in diff_state_dicts(got, ref, order=False, strides=False)]
+            problems += [
+                "after training vs torch: " + p
+                for p in diff_state_dicts(got, ref, order=False, strides=False)
+            ]
             plain_keys = list(plain.state_dict())
             if list(got) != plain_keys:
                 problems.append(f"key order != plain model: {list(got)} vs {plain_keys}")
@@ -249,8 +256,9 @@ def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
     elif opts["rank0_only"] and got != {}:
         problems.append(f"rank {rank} got a non-empty dict")
     elif not opts["rank0_only"]:
-        problems += [f"rank {rank}: " + p for p in diff_state_dicts(
-            got, _recv_reference(got, rank))]
+        problems += [
+            f"rank {rank}: " + p for p in diff_state_dicts(got, _recv_reference(got, rank))
+        ]
     train_steps(model, rank, 1, opt)
     return {"problems": problems, "keys": len(got)}
 

@@ -51,8 +51,9 @@ def test_mismatched_models_raise_on_every_rank() -> None:
 
 
 def test_rank_dying_mid_gather_raises_instead_of_hanging() -> None:
-    results = dist_harness.run("tests.scenarios:rank_fails_midway", 2, timeout=120,
-                               _allow_missing=(1,))
+    results = dist_harness.run(
+        "tests.scenarios:rank_fails_midway", 2, timeout=120, _allow_missing=(1,)
+    )
     assert results[0]["raised"] == "CollectiveError", results[0]
 
 
@@ -74,5 +75,5 @@ def test_compiled_plain_module_has_clean_keys() -> None:
 
 
 def test_not_a_module_is_a_clear_error() -> None:
-    with pytest.raises(sg.ShardGatherError, match="nn.Module"):
+    with pytest.raises(sg.ShardGatherError, match=r"nn\.Module"):
         sg.full_state_dict({"a": torch.zeros(1)})  # type: ignore[arg-type]
