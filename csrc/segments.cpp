@@ -10,13 +10,10 @@
 
 namespace shardgather {
 
-at::Tensor validate_and_split(
-    const char* op,
-    const at::Tensor& shards,
-    int64_t first_row,
-    const at::Tensor& segments,
-    at::TensorList fulls,
-    bool (*full_device_ok)(const at::Tensor& full, const at::Tensor& shards)) {
+at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t first_row,
+                              const at::Tensor& segments, at::TensorList fulls,
+                              bool (*full_device_ok)(const at::Tensor& full,
+                                                     const at::Tensor& shards)) {
   SG_CHECK_DTYPE(op, shards, at::kByte);
   SG_CHECK_DIM(op, shards, 2);
   SG_CHECK_CONTIGUOUS(op, shards);
@@ -47,14 +44,14 @@ at::Tensor validate_and_split(
     const int64_t base = seg[kBase], row_numel = seg[kRowNumel], col_byte = seg[kColByte],
                   numel = seg[kNumel], full_index = seg[kFullIndex], full_byte = seg[kFullByte],
                   shard_kind = seg[kShardKind], full_kind = seg[kFullKind];
-    SG_CHECK(op, shard_kind >= 0 && shard_kind < kNumKinds && full_kind >= 0 &&
-                     full_kind < kNumKinds,
-             "segment ", s, ": unknown element kind (shard ", shard_kind, ", full ", full_kind, ")");
+    SG_CHECK(
+        op, shard_kind >= 0 && shard_kind < kNumKinds && full_kind >= 0 && full_kind < kNumKinds,
+        "segment ", s, ": unknown element kind (shard ", shard_kind, ", full ", full_kind, ")");
     SG_CHECK(op, kinds_compatible(shard_kind, full_kind), "segment ", s,
              ": cannot cast between element kinds ", shard_kind, " and ", full_kind,
              " (only floating-point kinds cast)");
-    SG_CHECK(op, numel >= 0 && base >= 0, "segment ", s, ": negative numel (", numel,
-             ") or base (", base, ")");
+    SG_CHECK(op, numel >= 0 && base >= 0, "segment ", s, ": negative numel (", numel, ") or base (",
+             base, ")");
     if (numel == 0) {
       continue;
     }
@@ -68,13 +65,13 @@ at::Tensor validate_and_split(
     const at::Tensor& full = fulls[full_index];
     const int64_t full_bytes = full.numel() * full.element_size();
     SG_CHECK(op, full_byte >= 0 && full_byte + numel * full_size <= full_bytes, "segment ", s,
-             ": bytes [", full_byte, ", ", full_byte + numel * full_size, ") out of range of fulls[",
-             full_index, "] (", full_bytes, " bytes)");
+             ": bytes [", full_byte, ", ", full_byte + numel * full_size,
+             ") out of range of fulls[", full_index, "] (", full_bytes, " bytes)");
     // Casting kernels load/store typed elements: they must be aligned.
     if (shard_kind != full_kind) {
       const auto full_addr = reinterpret_cast<uintptr_t>(full.data_ptr()) + full_byte;
-      SG_CHECK(op, full_addr % full_size == 0, "segment ", s, ": fulls[", full_index,
-               "] + ", full_byte, " is not aligned to ", full_size, " bytes");
+      SG_CHECK(op, full_addr % full_size == 0, "segment ", s, ": fulls[", full_index, "] + ",
+               full_byte, " is not aligned to ", full_size, " bytes");
       SG_CHECK(op, (shards_addr + col_byte) % shard_size == 0 && row_bytes % shard_size == 0,
                "segment ", s, ": shard column ", col_byte, " is not aligned to ", shard_size,
                " bytes");

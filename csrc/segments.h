@@ -13,13 +13,10 @@ namespace shardgather {
 //   segments: int64 `[S, kSegmentCols]`, contiguous, on the CPU
 //   fulls:    contiguous tensors addressed by the segments' kFullIndex / kFullByte
 // `full_device_ok(t)` decides whether a full tensor's device may be used with `shards`.
-at::Tensor validate_and_split(
-    const char* op,
-    const at::Tensor& shards,
-    int64_t first_row,
-    const at::Tensor& segments,
-    at::TensorList fulls,
-    bool (*full_device_ok)(const at::Tensor& full, const at::Tensor& shards));
+at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t first_row,
+                              const at::Tensor& segments, at::TensorList fulls,
+                              bool (*full_device_ok)(const at::Tensor& full,
+                                                     const at::Tensor& shards));
 
 // Upper bound on the bytes (full side) of one run: the grain of parallelism.
 constexpr int64_t kMaxRunBytes = int64_t{1} << 18;

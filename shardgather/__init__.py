@@ -28,3 +28,7 @@ __version__ = "0.1.0"
 from .api import full_state_dict
 
 __all__ += ["full_state_dict"]
+
+from .checkpoint import LoadResult, load_file, load_full_state_dict, save_full_state_dict  # noqa: E402
+
+__all__ += ["LoadResult", "load_file", "load_full_state_dict", "save_full_state_dict"]

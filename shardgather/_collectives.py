@@ -164,6 +164,25 @@ def _collective_device(bucket: Bucket, fallback: torch.device) -> torch.device:
     return fallback
 
 
+def _direct_row(b: Bucket, device: torch.device) -> torch.Tensor | None:
+    """The local shard bytes when they are exactly the bucket row (one full-width piece)."""
+    if len(b.pieces) != 1:
+        return None
+    piece = b.pieces[0]
+    local = piece.source.local()
+    width = piece.col_hi - piece.col_lo
+    if (
+        local.device != device
+        or local.numel() < piece.col_hi
+        or width * piece.source.dtype.itemsize != b.row_bytes
+    ):
+        return None
+    chunk = local[piece.col_lo : piece.col_hi]
+    if not chunk.is_contiguous():
+        return None
+    return chunk.view(torch.uint8) if chunk.element_size() > 1 else chunk
+
+
 def gather_buckets(
     buckets: list[Bucket],
     receive: Callable[[Bucket], bool],
@@ -203,7 +222,10 @@ def gather_buckets(
         device = _collective_device(b, first.device)
         inp_full, out_full = buffers(device, i % 2)
         inp = inp_full[: b.row_bytes]
-        for piece in b.pieces:
+        direct = _direct_row(b, device)
+        if direct is not None:
+            inp = direct  # send the local shard itself: no packing copy
+        for piece in b.pieces if direct is None else ():
             local = piece.source.local()
             itemsize = piece.source.dtype.itemsize
             lo = piece.col_lo

@@ -34,6 +34,9 @@ class Source:
     local: Callable[[], torch.Tensor]  # this rank's row: 1-D, <= row_numel elements
     group_ranks: tuple[int, ...] = ()
     description: str = ""
+    # The live storage of this rank's padded row, for loading in place (None: the
+    # row cannot be written in place).
+    storage: Callable[[], torch.Tensor] | None = None
 
     @property
     def row_bytes(self) -> int:
@@ -194,6 +197,7 @@ def _fsdp1_refs(model: nn.Module, sources: list[Source]) -> dict[tuple[int, str]
             local=local,
             group_ranks=ranks,
             description="FSDP1 flat parameter of " + ", ".join(flat._fqns[:3]),
+            storage=local,
         )
         sources.append(src)
         offsets: list[int] = []
@@ -258,6 +262,16 @@ def _fsdp2_source(fp, key: str, sources: list[Source]) -> Source:  # type: ignor
     def local(fp=fp) -> torch.Tensor:
         return fp.sharded_param.to_local().detach().reshape(-1)
 
+    def storage(fp=fp) -> torch.Tensor:
+        # The padded row FSDP2 all-gathers from; the DTensor's local tensor views it.
+        data = getattr(fp, "_sharded_param_data", None)
+        local = fp.sharded_param.to_local()
+        if data is None or (local.numel() > 0 and local.data_ptr() != data.data_ptr()):
+            raise UnsupportedModelError(
+                f"{key!r}: cannot find FSDP2's padded shard storage to load into"
+            )
+        return data
+
     src = Source(
         index=len(sources),
         group=group,
@@ -268,6 +282,7 @@ def _fsdp2_source(fp, key: str, sources: list[Source]) -> Source:  # type: ignor
         local=local,
         group_ranks=ranks,
         description=f"FSDP2 parameter {key}",
+        storage=storage,
     )
     sources.append(src)
     return src
@@ -275,7 +290,8 @@ def _fsdp2_source(fp, key: str, sources: list[Source]) -> Source:  # type: ignor
 
 def _local_source(t: torch.Tensor, key: str, sources: list[Source]) -> Source:
     t = t.detach()
-    if not _is_dense(t):
+    dense = _is_dense(t)
+    if not dense:
         t = t.contiguous()
     src = Source(
         index=len(sources),
@@ -286,6 +302,7 @@ def _local_source(t: torch.Tensor, key: str, sources: list[Source]) -> Source:
         dtype=t.dtype,
         local=lambda t=t: _memory_order_flat(t),
         description=f"local tensor {key}",
+        storage=(lambda t=t: _memory_order_flat(t)) if dense else None,
     )
     sources.append(src)
     return src

@@ -148,7 +148,7 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         wrapped = torch.compile(wrapped)
     opts = {
         "rank0_only": kw.get("rank0_only", True),
-        "bucket_mb": kw.get("bucket_mb", 256),
+        "bucket_mb": kw.get("bucket_mb"),
         "dtype": kw.get("dtype"),
     }
 
@@ -229,7 +229,7 @@ def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
     fully_shard(model, **shard_kw)
     opts = {
         "rank0_only": kw.get("rank0_only", True),
-        "bucket_mb": kw.get("bucket_mb", 256),
+        "bucket_mb": kw.get("bucket_mb"),
         "dtype": kw.get("dtype"),
     }
     got = sg.full_state_dict(model, **opts)
@@ -255,9 +255,14 @@ def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         problems += ["after training vs torch: " + p for p in diff_state_dicts(got, ref)]
     elif opts["rank0_only"] and got != {}:
         problems.append(f"rank {rank} got a non-empty dict")
-    elif not opts["rank0_only"]:
+    if not opts["rank0_only"]:
+        # Every rank must hold rank 0's dict (a collective: every rank calls it).
+        # Buffers (BatchNorm statistics) are each rank's own: FSDP does not sync them.
+        params = {k for k, _ in plain.named_parameters(remove_duplicate=False)}
+        rank0 = {k: v for k, v in _recv_reference(got, rank).items() if k in params}
         problems += [
-            f"rank {rank}: " + p for p in diff_state_dicts(got, _recv_reference(got, rank))
+            f"rank {rank}: " + p
+            for p in diff_state_dicts({k: v for k, v in got.items() if k in params}, rank0)
         ]
     train_steps(model, rank, 1, opt)
     return {"problems": problems, "keys": len(got)}
@@ -319,3 +324,187 @@ def rank_fails_midway(rank: int, world: int) -> dict:  # type: ignore[type-arg]
     except sg.CollectiveError as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     return {"raised": None}
+
+
+def _build(kind: str, world: int, seed: int, tied: bool = True) -> tuple[nn.Module, nn.Module]:
+    """(sharded model, plain twin) for save/load round trips."""
+    torch.manual_seed(seed)
+    model = TinyLM(tied=tied)
+    plain = copy.deepcopy(model)
+    if kind.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_id=torch.device("cpu"),
+            use_orig_params=kind.endswith("orig"),
+        ), plain
+    if kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if kind == "fsdp2-hsdp":
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("r", "s"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, plain
+    return model, plain
+
+
+def save_then_load(
+    rank: int,
+    world: int,
+    path: str,
+    save_kind: str,
+    load_kind: str,
+    dtype: torch.dtype | None = None,
+    small_bucket: bool = False,
+) -> dict:  # type: ignore[type-arg]
+    """Save from one configuration (seed 0, trained), load into another (seed 1), and
+    compare what the loaded model gathers with what was saved."""
+    saved, _ = _build(save_kind, world, seed=0)
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1)
+    train_steps(saved, rank, 1, opt)
+    want = sg.full_state_dict(saved)
+    sg.save_full_state_dict(
+        saved, path, dtype=dtype, metadata={"step": "1"}, bucket_mb=0.001 if small_bucket else None
+    )
+    problems: list[str] = []
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        raw = load_file(path)  # safetensors itself reads it
+        file_sd = sg.load_file(path)
+        want_file = {
+            k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+            for k, v in want.items()
+        }
+        problems += ["file: " + p for p in diff_state_dicts(file_sd, want_file, order=False)]
+        if "lm_head.weight" in raw:
+            problems.append("tied weight stored twice")
+    loaded, _ = _build(load_kind, world, seed=1)
+    res = sg.load_full_state_dict(loaded, path)
+    got = sg.full_state_dict(loaded)
+    if rank == 0:
+        expect = (
+            want
+            if dtype is None
+            else {
+                k: (v.to(dtype).to(v.dtype) if v.is_floating_point() else v)
+                for k, v in want.items()
+            }
+        )
+        problems += ["loaded: " + p for p in diff_state_dicts(got, expect, order=False)]
+        problems += [f"unexpected result {res}"] if res.missing_keys or res.unexpected_keys else []
+    # The loaded model trains.
+    train_steps(loaded, rank, 1, torch.optim.SGD(loaded.parameters(), lr=0.1))
+    return {"problems": problems}
+
+
+def load_errors(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """Bad files and mismatches raise clear errors and modify nothing."""
+    import os
+
+    model, _ = _build("fsdp1", world, seed=0)
+    before = sg.full_state_dict(model, rank0_only=False)
+    out: dict = {}
+    torch.manual_seed(3)
+    sg.save_full_state_dict(TinyLM(n_layers=4), path)  # blocks.3.* are unexpected
+    for name, fn in {
+        "unexpected_key": lambda: sg.load_full_state_dict(model, path),
+        "missing_file": lambda: sg.load_full_state_dict(model, path + ".nope"),
+    }.items():
+        try:
+            fn()
+            out[name] = None
+        except sg.ShardGatherError as exc:
+            out[name] = (type(exc).__name__, str(exc))
+    after = sg.full_state_dict(model, rank0_only=False)
+    out["unchanged_by_errors"] = not diff_state_dicts(after, before)
+    res = sg.load_full_state_dict(model, path, strict=False)
+    out["non_strict"] = (res.missing_keys, res.unexpected_keys)
+    loaded = sg.full_state_dict(model, rank0_only=False)
+    torch.manual_seed(3)
+    want = TinyLM(n_layers=4).state_dict()
+    out["non_strict_loaded"] = not diff_state_dicts(
+        loaded, {k: v for k, v in want.items() if k in loaded}, order=False
+    )
+    if rank == 0:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 10)
+    dist.barrier()
+    try:
+        sg.load_full_state_dict(model, path)
+        out["truncated"] = None
+    except sg.ShardGatherError as exc:
+        out["truncated"] = (type(exc).__name__, str(exc))
+    return out
+
+
+def save_fails_on_one_rank(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """The writer's disk fills up mid-stream: every rank raises, nothing is left."""
+    import errno
+    import os
+
+    from shardgather import checkpoint
+
+    model, _ = _build("fsdp1", world, seed=0)
+    if rank == 0:
+        real = checkpoint.pwrite_from
+        calls = [0]
+
+        def full_disk(*a, **k):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] > 2:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            return real(*a, **k)
+
+        checkpoint.pwrite_from = full_disk
+    try:
+        sg.save_full_state_dict(model, path, bucket_mb=0.001)
+        raised = None
+    except sg.ShardGatherError as exc:
+        raised = (type(exc).__name__, str(exc))
+    leftovers = sorted(os.listdir(os.path.dirname(path)))
+    return {"raised": raised, "leftovers": leftovers}
+
+
+def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: float) -> dict:  # type: ignore[type-arg]
+    """Peak RSS rise of full_state_dict / save / load on a model many buckets large."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from shardgather._memory import peak_rss_rise, trim
+    from shardgather.testing import Block as GPTBlock
+    from shardgather.testing import build_gpt
+
+    model = FSDP(
+        build_gpt(size_gb),
+        auto_wrap_policy=ModuleWrapPolicy({GPTBlock}),
+        device_id=torch.device("cpu"),
+    )
+    trim()
+    out: dict = {}
+    sg.full_state_dict(model, bucket_mb=bucket_mb)  # warm-up: first-call allocations
+    with peak_rss_rise() as m:
+        sd = sg.full_state_dict(model, bucket_mb=bucket_mb)
+    out["gather_rise"] = m["peak_rise"]
+    out["out_bytes"] = sum(
+        v.numel() * v.element_size() for k, v in sd.items() if k != "lm_head.weight"
+    )
+    del sd
+    trim()
+    with peak_rss_rise() as m:
+        sg.save_full_state_dict(model, path, bucket_mb=bucket_mb)
+    out["save_rise"] = m["peak_rise"]
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_state_dict(model, path, bucket_mb=bucket_mb)
+    out["load_rise"] = m["peak_rise"]
+    out["file_bytes"] = __import__("os").path.getsize(path)
+    return out

@@ -42,9 +42,7 @@ void copy_elems(const char* src, int64_t src_kind, char* dst, int64_t dst_kind, 
     return;
   }
   float_kind_switch(src_kind, [&](auto s) {
-    float_kind_switch(dst_kind, [&](auto d) {
-      cast_run<decltype(d), decltype(s)>(src, dst, n);
-    });
+    float_kind_switch(dst_kind, [&](auto d) { cast_run<decltype(d), decltype(s)>(src, dst, n); });
   });
 }
 

@@ -124,8 +124,8 @@ void copy_cuda(const char* op, const at::Tensor& shards, int64_t first_row,
 
   const int64_t num_fulls = static_cast<int64_t>(fulls.size());
   const int64_t num_segments = segments.size(0);
-  at::Tensor meta = at::empty({num_fulls + num_segments * kSegmentCols + num_runs * 3},
-                              segments.options());
+  at::Tensor meta =
+      at::empty({num_fulls + num_segments * kSegmentCols + num_runs * 3}, segments.options());
   int64_t* m = meta.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_fulls; ++i) m[i] = device_address(fulls[i]);
   std::copy_n(segments.data_ptr<int64_t>(), num_segments * kSegmentCols, m + num_fulls);

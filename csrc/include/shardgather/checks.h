@@ -9,7 +9,7 @@
 #define SG_CHECK_CONTIGUOUS(op, t) \
   SG_CHECK(op, (t).is_contiguous(), "argument '", #t, "' must be contiguous")
 
-#define SG_CHECK_DTYPE(op, t, dt)                                                  \
+#define SG_CHECK_DTYPE(op, t, dt)                                                 \
   SG_CHECK(op, (t).scalar_type() == (dt), "argument '", #t, "' must have dtype ", \
            c10::toString(dt), ", got ", c10::toString((t).scalar_type()))
 

@@ -52,9 +52,13 @@ enum ElemKind : int64_t {
 C10_HOST_DEVICE inline int64_t elem_size(int64_t kind) {
   switch (kind) {
     case kRaw1: return 1;
-    case kRaw2: case kF16: case kBF16: return 2;
-    case kRaw4: case kF32: return 4;
-    case kRaw8: case kF64: return 8;
+    case kRaw2:
+    case kF16:
+    case kBF16: return 2;
+    case kRaw4:
+    case kF32: return 4;
+    case kRaw8:
+    case kF64: return 8;
     case kRaw16: return 16;
     default: return 0;
   }
@@ -79,11 +83,11 @@ C10_HOST_DEVICE inline int64_t col_of(int64_t base, int64_t row_numel, int64_t e
 
 // Byte address of element e of a segment inside a buffer whose first row is
 // `first_row` (a whole gathered buffer: 0; one rank's local shard: its rank).
-C10_HOST_DEVICE inline int64_t shard_byte(
-    int64_t base, int64_t row_numel, int64_t col_byte, int64_t shard_elem_size,
-    int64_t row_bytes, int64_t first_row, int64_t e) {
+C10_HOST_DEVICE inline int64_t shard_byte(int64_t base, int64_t row_numel, int64_t col_byte,
+                                          int64_t shard_elem_size, int64_t row_bytes,
+                                          int64_t first_row, int64_t e) {
   return (row_of(base, row_numel, e) - first_row) * row_bytes + col_byte +
-      col_of(base, row_numel, e) * shard_elem_size;
+         col_of(base, row_numel, e) * shard_elem_size;
 }
 
 // Elements from e (inclusive) that stay in e's row, capped at `end`: the
@@ -94,9 +98,9 @@ C10_HOST_DEVICE inline int64_t run_in_row(int64_t base, int64_t row_numel, int64
 }
 
 // Element range [*lo, *hi) of a segment that lies in rows [first_row, first_row + rows).
-C10_HOST_DEVICE inline void elems_in_rows(
-    int64_t base, int64_t row_numel, int64_t numel, int64_t first_row, int64_t rows,
-    int64_t* lo, int64_t* hi) {
+C10_HOST_DEVICE inline void elems_in_rows(int64_t base, int64_t row_numel, int64_t numel,
+                                          int64_t first_row, int64_t rows, int64_t* lo,
+                                          int64_t* hi) {
   int64_t a = first_row * row_numel - base;
   int64_t b = (first_row + rows) * row_numel - base;
   a = a < 0 ? 0 : (a > numel ? numel : a);

@@ -1,0 +1,245 @@
+"""shardgather vs torch's own full-state-dict paths, same model, same run.
+
+    python bench/bench_gather.py --size-gb 1 --world 2 [--backend gloo|nccl] [--json out.json]
+
+Spawns W processes, builds a GPT-like fp32 model of S GiB (tied embedding), shards it
+with FSDP1 and with FSDP2, and for every method reports the median wall time of
+--repeats runs after a warm-up, throughput, the peak host RSS rise of every rank
+(kernel high-water mark), peak device memory on CUDA, and the ratio to shardgather.
+shardgather's result is checked bit-exactly against torch's on rank 0: a fast wrong
+answer is a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from shardgather._memory import peak_rss_rise, trim
+from shardgather.testing import Block, build_gpt
+
+
+def _nbytes(sd: dict) -> int:
+    seen, total = set(), 0
+    for v in sd.values():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            total += v.numel() * v.element_size()
+    return total
+
+
+def _same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k].cpu()) for k in b)
+
+
+def _methods(kind: str, model: nn.Module):  # type: ignore[no-untyped-def]
+    import shardgather as sg
+
+    out = {"shardgather": lambda: sg.full_state_dict(model)}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        def fsdp1_full() -> dict:
+            cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+                return model.state_dict()
+
+        out["torch FSDP1 FULL_STATE_DICT"] = fsdp1_full
+    out["torch get_model_state_dict"] = lambda: get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return out
+
+
+def _shard(kind: str, model: nn.Module, device: torch.device, world: int) -> nn.Module:
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    nccl = args.backend == "nccl"
+    if nccl:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    dist.init_process_group(
+        args.backend,
+        init_method=f"file://{tmp}/rdzv",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=20),
+    )
+    results: dict = {}
+    try:
+        for kind in args.fsdp:
+            model = _shard(kind, build_gpt(args.size_gb, device), device, world)
+            trim()
+            ref_sd = None
+            for name, fn in _methods(kind, model).items():
+                if args.methods and not any(m in name for m in args.methods):
+                    continue
+                times, peaks, gpu_peaks = [], [], []
+                for it in range(args.repeats + 1):
+                    dist.barrier()
+                    if nccl:
+                        torch.cuda.reset_peak_memory_stats()
+                        torch.cuda.synchronize()
+                    with peak_rss_rise() as mem:
+                        t0 = time.perf_counter()
+                        sd = fn()
+                        if nccl:
+                            torch.cuda.synchronize()
+                        dist.barrier()
+                        dt = time.perf_counter() - t0
+                    nbytes = _nbytes(sd) if sd else 0
+                    if it == 0 and rank == 0:
+                        if name == "shardgather":
+                            ref_sd = sd
+                        verified = _same(ref_sd, sd) if ref_sd is not None else None
+                        results.setdefault(f"{kind}/{name}", {})["verified"] = verified
+                    if it > 0:  # the first run is the warm-up
+                        times.append(dt)
+                        peaks.append(mem["peak_rise"])
+                        if nccl:
+                            gpu_peaks.append(torch.cuda.max_memory_allocated())
+                    del sd
+                    trim()
+                r = results.setdefault(f"{kind}/{name}", {})
+                r.update(
+                    time_s=statistics.median(times),
+                    times_s=times,
+                    peak_rss_rise=max(peaks),
+                    out_bytes=nbytes,
+                )
+                if nccl:
+                    r["peak_gpu_allocated"] = max(gpu_peaks)
+            ref_sd = None
+            del model
+            trim()
+    except BaseException:
+        import traceback
+
+        results = {"__error__": traceback.format_exc()}
+    torch.save(results, f"{tmp}/rank{rank}.pt")
+    try:
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    ap.add_argument("--fsdp", nargs="+", default=["fsdp1", "fsdp2"], choices=["fsdp1", "fsdp2"])
+    ap.add_argument("--methods", nargs="*", default=None, help="substrings of method names")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="sg-bench-") as tmp:
+        procs = [
+            ctx.Process(target=worker, args=(r, args.world, args, tmp)) for r in range(args.world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        per_rank = []
+        for r in range(args.world):
+            path = Path(tmp) / f"rank{r}.pt"
+            if not path.exists():
+                sys.exit(f"rank {r} died (exit code {procs[r].exitcode})")
+            res = torch.load(path, weights_only=False)
+            if "__error__" in res:
+                sys.exit(f"rank {r} failed:\n{res['__error__']}")
+            per_rank.append(res)
+
+    rows = []
+    for key in per_rank[0]:
+        kind = key.split("/")[0]
+        base = per_rank[0].get(f"{kind}/shardgather", {})
+        r0 = per_rank[0][key]
+        rows.append(
+            {
+                "method": key,
+                "time_s": r0["time_s"],
+                "gb_per_s": r0["out_bytes"] / r0["time_s"] / 1e9 if r0["time_s"] else None,
+                "out_bytes": r0["out_bytes"],
+                "peak_rss_rise_per_rank": [pr[key]["peak_rss_rise"] for pr in per_rank],
+                "peak_gpu_allocated_per_rank": [
+                    pr[key].get("peak_gpu_allocated") for pr in per_rank
+                ],
+                "verified_equal_to_shardgather": r0.get("verified"),
+                "time_ratio_vs_shardgather": r0["time_s"] / base["time_s"] if base else None,
+                "times_s": r0["times_s"],
+            }
+        )
+    print(
+        f"\nmodel {args.size_gb} GiB fp32, world {args.world}, {args.backend}, "
+        f"median of {args.repeats} after a warm-up"
+    )
+    print(
+        f"{'method':42} {'time s':>8} {'GB/s':>6} {'x sg':>6} {'peak RSS rise MiB per rank':>28} ok"
+    )
+    for r in rows:
+        rss = " / ".join(f"{x / 2**20:.0f}" for x in r["peak_rss_rise_per_rank"])
+        print(
+            f"{r['method']:42} {r['time_s']:8.3f} {r['gb_per_s']:6.2f} "
+            f"{r['time_ratio_vs_shardgather']:6.2f} {rss:>28} {r['verified_equal_to_shardgather']}"
+        )
+    import shardgather
+
+    report = {
+        "config": vars(args),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if args.backend == "nccl" else None,
+        },
+        "shardgather": shardgather.build_info(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python " + " ".join(sys.argv),
+        "results": rows,
+    }
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    bad = [r["method"] for r in rows if r["verified_equal_to_shardgather"] is False]
+    if bad:
+        sys.exit(f"results differ from shardgather's: {bad}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,462 @@
+"""save_full_state_dict / load_full_state_dict / load_file: full safetensors
+checkpoints streamed bucket by bucket; loading reads only each rank's own bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import tempfile
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _layout as L
+from . import _ops
+from ._collectives import agree, bucket_parts, gather_buckets
+from ._plan import Entry, GatherPlan, _memory_order_flat, build_plan
+from .api import (
+    DEFAULT_TIMEOUT,
+    _copy_local,
+    _my_buckets,
+    _Progress,
+    _use_gather,
+    _verify_options,
+    default_bucket_mb,
+)
+from .errors import CheckpointError, CollectiveError, ShardGatherError, StateDictMismatchError
+from .io.safetensors_format import (
+    ALIASES_KEY,
+    Header,
+    encode_header,
+    pread_into,
+    pwrite_from,
+    read_header,
+)
+
+
+def _all_ok(ok: bool, message: str) -> list[str]:
+    """Every rank's failure message (empty when all succeeded). Best effort when a rank died."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [] if ok else [message]
+    out: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(out, (ok, message))
+    except Exception as exc:
+        return [f"a rank is unreachable ({exc})"]
+    return [f"rank {r}: {m}" for r, (o, m) in enumerate(out) if not o]
+
+
+def _file_order(plan: GatherPlan) -> list[Entry]:
+    by_source = plan.entries_by_source()
+    return [e for s in plan.sources for e in by_source.get(s.index, [])]
+
+
+def save_full_state_dict(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+    bucket_mb: float | None = None,
+    progress: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Write the full, unwrapped state dict to one safetensors file, streaming.
+
+    Call on every rank; rank 0 writes. No rank ever holds the whole model: peak extra
+    host memory is about two buckets. Tied tensors are stored once and their aliases
+    recorded in the header metadata (``shardgather.aliases``), which
+    :func:`load_file` and :func:`load_full_state_dict` restore. The file is written
+    under a temporary name in the same directory, fsync'ed and renamed: a failure on
+    any rank leaves no file (and no temporary) behind, and every rank raises.
+
+    Args:
+        model: as for :func:`shardgather.full_state_dict`.
+        path: the ``.safetensors`` file to create (replaced if it exists).
+        dtype: cast floating-point tensors (e.g. ``torch.bfloat16`` to ship a model).
+        metadata: extra ``str -> str`` header metadata.
+        bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
+
+    Raises:
+        ShardGatherError: bad arguments; CollectiveError: another rank failed.
+
+    Example:
+        >>> shardgather.save_full_state_dict(model, "model.safetensors", dtype=torch.bfloat16)
+    """
+    _verify_options(model, bucket_mb, dtype)
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ShardGatherError("metadata must be a dict of str -> str (safetensors' rule)")
+    plan = build_plan(model, dtype=dtype)
+    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
+    agree(plan, timeout)
+    final = os.path.abspath(os.fspath(path))
+    writer = plan.rank == 0
+    tmp_path: str | None = None
+    fd = -1
+    error = ""
+    try:
+        offsets: dict[str, int] = {}
+        if writer:
+            layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+            pos = 0
+            for e in _file_order(plan):
+                layout[e.key] = (e.target_dtype, tuple(e.shape), pos, pos + e.nbytes)
+                pos += e.nbytes
+            meta = dict(metadata or {})
+            meta["format"] = "pt"
+            if plan.aliases:
+                meta[ALIASES_KEY] = json.dumps(plan.aliases)
+            header = encode_header(layout, meta)
+            offsets = {k: len(header) + v[2] for k, v in layout.items()}
+            directory = os.path.dirname(final) or "."
+            fd, tmp_path = tempfile.mkstemp(
+                prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory
+            )
+            os.ftruncate(fd, len(header) + pos)
+            os.pwrite(fd, header, 0)
+        _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
+        if writer:
+            os.fsync(fd)
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            _cleanup(fd, tmp_path)
+            raise
+    failures = _all_ok(not error, error)
+    if failures:
+        _cleanup(fd, tmp_path)
+        raise CollectiveError(
+            f"save_full_state_dict({final!r}) failed, nothing was written: " + "; ".join(failures)
+        )
+    if writer:
+        os.close(fd)
+        assert tmp_path is not None
+        os.replace(tmp_path, final)
+        dir_fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # the file exists for everyone once save returns
+
+
+def _cleanup(fd: int, tmp_path: str | None) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if tmp_path is not None and os.path.exists(tmp_path):
+        os.unlink(tmp_path)
+
+
+def _stream(
+    plan: GatherPlan,
+    fd: int,
+    offsets: dict[str, int],
+    writer: bool,
+    bucket_mb: float,
+    progress: bool,
+    timeout: datetime.timedelta,
+) -> None:
+    """Gather bucket by bucket; the writer copies each into a reused slab and pwrites it.
+
+    A local failure (e.g. the disk fills up) does not stop this rank's collectives: it
+    keeps gathering, without writing, so that every rank reaches the final agreement
+    together and raises the same error instead of waiting for a timeout.
+    """
+    total = sum(e.nbytes for e in plan.entries.values())
+    bar = _Progress(progress and writer, total, "shardgather: save")
+    failure: BaseException | None = None
+    sink = _FileSink(fd, offsets)
+    try:
+        if writer:
+            try:
+                for e in plan.entries.values():
+                    if e.source.group is None:
+                        out = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
+                        _copy_local(e.source.local(), e, out)
+                        pwrite_from(
+                            fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key]
+                        )
+                        bar.update(e.nbytes)
+            except Exception as exc:
+                failure = exc
+        buckets = _my_buckets(plan, bucket_mb, True)
+        by_source = plan.entries_by_source()
+        for bucket, rows in gather_buckets(
+            buckets, lambda b: writer, timeout=timeout, use_gather=_use_gather(buckets, True)
+        ):
+            if rows is None or failure is not None:
+                continue
+            try:
+                parts = bucket_parts(bucket, by_source)
+                sink.write(rows.cpu() if rows.is_cuda else rows, parts)
+                bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
+            except Exception as exc:
+                failure = exc
+    finally:
+        bar.close()
+    if failure is not None:
+        raise failure
+
+
+class _FileSink:
+    """Copies gathered rows into a reused slab in file order and pwrites the ranges."""
+
+    def __init__(self, fd: int, offsets: dict[str, int]) -> None:
+        self.fd = fd
+        self.offsets = offsets
+        self.slab = torch.empty(0, dtype=torch.uint8)
+        # Non-contiguous (e.g. channels_last) entries are assembled whole, then written
+        # row-major: safetensors stores C-order bytes.
+        self.pending: dict[str, tuple[torch.Tensor, list[int]]] = {}
+
+    def write(self, rows: torch.Tensor, parts: list) -> None:
+        segs: list[L.Segment] = []
+        writes: list[tuple[int, int, int]] = []  # (slab offset, file offset, bytes)
+        off = 0
+        for p in parts:
+            e = p.entry
+            size = e.target_dtype.itemsize
+            if not e.is_contiguous:
+                self._write_strided(rows, p)
+                continue
+            off = (off + size - 1) // size * size
+            segs.append(_dst(p.segment, 0, off))
+            writes.append((off, self.offsets[e.key] + p.start * size, p.numel * size))
+            off += p.numel * size
+        if self.slab.numel() < off:
+            self.slab = torch.empty(off, dtype=torch.uint8)
+        if segs:
+            _ops.copy_out(rows, 0, L.segment_table(segs), [self.slab])
+        for s_off, f_off, n in _coalesce(writes):
+            pwrite_from(self.fd, self.slab[s_off : s_off + n], f_off)
+
+    def _write_strided(self, rows: torch.Tensor, p: Any) -> None:
+        e = p.entry
+        if e.key not in self.pending:
+            t = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
+            self.pending[e.key] = (t, [e.numel])
+        t, left = self.pending[e.key]
+        seg = _dst(p.segment, 0, p.start * e.target_dtype.itemsize)
+        _ops.copy_out(rows, 0, L.segment_table([seg]), [_memory_order_flat(t)])
+        left[0] -= p.numel
+        if left[0] == 0:
+            pwrite_from(self.fd, t.contiguous().reshape(-1).view(torch.uint8), self.offsets[e.key])
+            del self.pending[e.key]
+
+
+def _dst(seg: L.Segment, full_index: int, full_byte: int) -> L.Segment:
+    return L.Segment(
+        seg.base,
+        seg.row_numel,
+        seg.col_byte,
+        seg.numel,
+        full_index,
+        full_byte,
+        seg.shard_kind,
+        seg.full_kind,
+    )
+
+
+def _coalesce(writes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    out: list[tuple[int, int, int]] = []
+    for s, f, n in sorted(writes, key=lambda w: w[1]):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == f:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, f, n))
+    return out
+
+
+# ---------------------------------------------------------------------------------- load
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a safetensors file into a dict, restoring tied aliases as shared tensors.
+
+    Example:
+        >>> plain_model.load_state_dict(shardgather.load_file("model.safetensors"))
+    """
+    from safetensors.torch import load_file as st_load
+
+    header = read_header(path)  # clear errors for bad files before safetensors sees them
+    sd = st_load(os.fspath(path))
+    for alias, key in header.aliases.items():
+        sd[alias] = sd[key]
+    return sd
+
+
+def _validate(plan: GatherPlan, header: Header, strict: bool, path: str) -> LoadResult:
+    model_keys = plan.keys
+    file_keys = set(header.all_keys())
+    missing = [k for k in model_keys if k not in file_keys]
+    unexpected = sorted(file_keys - set(model_keys))
+    mismatched: dict[str, str] = {}
+    for key, e in plan.entries.items():
+        if key not in file_keys:
+            continue
+        t = header.resolve(key)
+        if tuple(t.shape) != tuple(e.shape):
+            mismatched[key] = f"shape {tuple(t.shape)} in file, {tuple(e.shape)} in model"
+        elif t.dtype != e.dtype and not (t.dtype.is_floating_point and e.dtype.is_floating_point):
+            mismatched[key] = f"dtype {t.dtype} in file, {e.dtype} in model (cannot cast)"
+    if mismatched or (strict and (missing or unexpected)):
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        if mismatched:
+            parts.append("mismatched " + "; ".join(f"{k}: {v}" for k, v in mismatched.items()))
+        raise StateDictMismatchError(
+            f"{path} does not match the model: " + ", ".join(parts) + ". Nothing was loaded. "
+            "Pass strict=False to load only the matching keys.",
+            missing,
+            unexpected,
+            mismatched,
+        )
+    return LoadResult(missing, unexpected)
+
+
+def _local_row(e: Entry) -> tuple[torch.Tensor, int]:
+    """The storage this rank's elements of ``e`` are written to: (uint8 [1, row_bytes], row)."""
+    src = e.source
+    if src.storage is None:
+        raise ShardGatherError(f"{e.key!r}: its tensor is not dense; it cannot be loaded in place")
+    t = src.storage()
+    return t.view(torch.uint8).view(1, -1) if t.element_size() > 1 else t.view(1, -1), src.rank
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    source: str | os.PathLike,
+    *,
+    strict: bool = True,
+    bucket_mb: float = 64,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> LoadResult:
+    """Load a full safetensors checkpoint into a (sharded) model, in place.
+
+    Every rank reads only the byte ranges of its own shards (plus the small tensors
+    every rank holds in full, such as buffers), through a bounded staging buffer,
+    and the copy-in op writes them (cast where the file holds another float dtype)
+    into its local shard storage. No all-gather; peak extra host memory is one
+    staging buffer. The whole header is validated against the model first: on a
+    mismatch nothing is modified.
+
+    Args:
+        model: plain, DDP, FSDP1 or FSDP2 model (the same kinds as full_state_dict).
+        source: path of a ``.safetensors`` file (e.g. from :func:`save_full_state_dict`).
+        strict: raise on missing/unexpected keys; False loads the intersection.
+        bucket_mb: staging buffer size for reads.
+
+    Returns:
+        ``LoadResult(missing_keys, unexpected_keys)`` (clean names).
+
+    Raises:
+        CheckpointError: missing, truncated, corrupt or non-safetensors file.
+        StateDictMismatchError: keys (strict), shapes or non-castable dtypes differ.
+    """
+    _verify_options(model, bucket_mb, None)
+    path = os.fspath(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ShardGatherError("source must be a path to a .safetensors file")
+    plan = build_plan(model)
+    agree(plan, timeout)
+    header = read_header(path)
+    result = _validate(plan, header, strict, path)
+    error = ""
+    try:
+        _read_own_bytes(plan, header, path, int(bucket_mb * 2**20))
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    failures = _all_ok(not error, error)
+    if failures:
+        raise CheckpointError(f"load_full_state_dict({path!r}) failed: " + "; ".join(failures))
+    return result
+
+
+def _elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
+    lo = min(max(row * p - base, 0), numel)
+    hi = min(max((row + 1) * p - base, 0), numel)
+    return lo, max(lo, hi)
+
+
+def _read_own_bytes(plan: GatherPlan, header: Header, path: str, staging_bytes: int) -> None:
+    """pread exactly this rank's elements of every entry and copy them into its shards."""
+    staging = torch.empty(0, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for key, e in plan.entries.items():
+            if key not in header.tensors and key not in header.aliases:
+                continue
+            info = header.resolve(key)
+            row, first_row = _local_row(e)
+            src = e.source
+            if not e.is_contiguous:
+                _load_strided(fd, e, info, row, first_row)
+                continue
+            lo, hi = _elems_in_row(e.base, src.row_numel, e.numel, first_row)
+            fsize = info.dtype.itemsize
+            step = max(1, staging_bytes // fsize)
+            for a in range(lo, hi, step):
+                b = min(hi, a + step)
+                n = (b - a) * fsize
+                if staging.numel() < n:
+                    # CUDA shards read pinned staging through its mapped address.
+                    staging = torch.empty(n, dtype=torch.uint8, pin_memory=row.is_cuda)
+                buf = staging[:n]
+                pread_into(fd, buf, info.begin + a * fsize)
+                seg = L.Segment(
+                    e.base + a,
+                    src.row_numel,
+                    0,
+                    b - a,
+                    0,
+                    0,
+                    L.kind_of(src.dtype),
+                    L.kind_of(info.dtype),
+                )
+                _ops.copy_in([buf], L.segment_table([seg]), row, first_row)
+                if row.is_cuda:
+                    torch.cuda.current_stream().synchronize()  # before staging is reused
+    finally:
+        os.close(fd)
+
+
+def _load_strided(fd: int, e: Entry, info: Any, row: torch.Tensor, first_row: int) -> None:
+    """A non-contiguous (e.g. channels_last) entry: the file is row-major, the shard
+    holds memory order, so read it whole and re-lay it out first."""
+    raw = torch.empty(info.numel * info.dtype.itemsize, dtype=torch.uint8)
+    pread_into(fd, raw, info.begin)
+    full = raw.view(info.dtype).view(tuple(info.shape))
+    laid = torch.empty_strided(tuple(e.shape), e.stride, dtype=info.dtype)
+    laid.copy_(full)
+    flat = _memory_order_flat(laid).view(torch.uint8)
+    if row.is_cuda:
+        flat = flat.pin_memory()
+    seg = L.Segment(
+        e.base,
+        e.source.row_numel,
+        0,
+        e.numel,
+        0,
+        0,
+        L.kind_of(e.source.dtype),
+        L.kind_of(info.dtype),
+    )
+    _ops.copy_in([flat], L.segment_table([seg]), row, first_row)
+    if row.is_cuda:
+        torch.cuda.current_stream().synchronize()

@@ -1,0 +1,1 @@
+"""File formats: a streaming safetensors writer and a ranged reader."""

@@ -1,0 +1,97 @@
+"""python -m shardgather inspect / clean-keys / consolidate on real files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardgather as sg
+from shardgather.__main__ import main
+
+from .compare import diff_state_dicts
+from .models import TinyLM
+
+
+@pytest.fixture
+def model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def test_inspect_warns_on_wrapped_keys(tmp_path, model, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "wrapped.pt"
+    torch.save({"module._fsdp_wrapped_module." + k: v for k, v in model.state_dict().items()}, path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr()
+    assert "module._fsdp_wrapped_module.embed.weight" in out.out
+    assert "wrapper prefixes" in out.err
+
+
+def test_inspect_safetensors_lists_aliases(tmp_path, model, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "m.safetensors"
+    sg.save_full_state_dict(model, path, metadata={"step": "7"})
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "lm_head.weight" in out and "alias of embed.weight" in out and '"step": "7"' in out
+
+
+@pytest.mark.parametrize("src_kind", ["pt", "safetensors"])
+@pytest.mark.parametrize("out_kind", ["pt", "safetensors"])
+def test_clean_keys_repairs_a_wrapped_checkpoint(tmp_path, model, src_kind, out_kind) -> None:  # type: ignore[no-untyped-def]
+    want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    wrapped = {"_orig_mod._fsdp_wrapped_module." + k: v.contiguous() for k, v in want.items()}
+    src = tmp_path / f"in.{src_kind}"
+    if src_kind == "pt":
+        torch.save({"state_dict": wrapped}, src)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(wrapped, src)
+    out = tmp_path / f"out.{out_kind}"
+    assert main(["clean-keys", str(src), str(out)]) == 0
+    got = sg.load_file(out) if out_kind == "safetensors" else torch.load(out)
+    assert not diff_state_dicts(got, want, order=False)
+
+
+def test_clean_keys_refuses_flat_params(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    src = tmp_path / "flat.pt"
+    torch.save({"_fsdp_wrapped_module._flat_param": torch.zeros(10)}, src)
+    assert main(["clean-keys", str(src), str(tmp_path / "o.pt")]) == 2
+    assert "flat parameter" in capsys.readouterr().err
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_consolidate_dcp_directory(tmp_path, model) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = tmp_path / "full.safetensors"
+    assert (
+        main(
+            [
+                "consolidate",
+                str(tmp_path / "dcp"),
+                str(out),
+                "--prefix",
+                "model.",
+                "--dtype",
+                "bf16",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    got = sg.load_file(out)
+    want = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
+        for k, v in model.state_dict().items()
+    }
+    assert not diff_state_dicts(got, want, order=False)
+
+
+def test_bad_file_is_an_error_not_a_crash(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "x.bin"
+    bad.write_bytes(b"garbage")
+    assert main(["inspect", str(bad)]) == 2
+    assert "not a safetensors or torch checkpoint" in capsys.readouterr().err
