@@ -1,6 +1,7 @@
 """shardgather vs torch's own full-state-dict paths, same model, same run.
 
-    python bench/bench_gather.py --size-gb 1 --world 2 [--backend gloo|nccl] [--json out.json]
+    python bench/bench_gather.py --size-gb 1 --world 2 [--backend gloo|nccl]
+        [--ops gather save load] [--methods SUBSTR ...] [--json out.json]
 
 Spawns W processes, builds a GPT-like fp32 model of S GiB (tied embedding), shards it
 with FSDP1 and with FSDP2, and for every method reports the median wall time of
@@ -45,25 +46,104 @@ def _same(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k].cpu()) for k in b)
 
 
-def _methods(kind: str, model: nn.Module):  # type: ignore[no-untyped-def]
+def _methods(kind: str, model: nn.Module, files: str, ops: set[str]) -> dict:
+    """name -> (run, verify): run() returns a state dict or None; verify(result, ref)
+    checks it against shardgather's full_state_dict on rank 0 (None: not checked)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
     import shardgather as sg
 
-    out = {"shardgather": lambda: sg.full_state_dict(model)}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    rank = dist.get_rank()
+    st_path, pt_path = f"{files}/{kind}.safetensors", f"{files}/{kind}.pt"
 
-    if kind == "fsdp1":
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    def same(got: dict, ref: dict) -> bool:
+        return _same(ref, got) if rank == 0 else True
 
-        def fsdp1_full() -> dict:
+    def gathered_equal(_: object, ref: dict) -> bool:
+        got = sg.full_state_dict(model)
+        return _same(ref, got) if rank == 0 else True
+
+    def file_equal(_: object, ref: dict) -> bool:
+        return _same(ref, sg.load_file(st_path)) if rank == 0 else True
+
+    def torch_full() -> dict:
+        if kind == "fsdp1":
+            from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
             cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
             with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
                 return model.state_dict()
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
-        out["torch FSDP1 FULL_STATE_DICT"] = fsdp1_full
-    out["torch get_model_state_dict"] = lambda: get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    def torch_save() -> None:
+        sd = torch_full()
+        if rank == 0:
+            torch.save(sd, pt_path)
+        dist.barrier()
+
+    def torch_save_safetensors() -> None:
+        sd = torch_full()
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            # safetensors refuses shared tensors: store the tied weight once.
+            save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, st_path + ".t")
+        dist.barrier()
+
+    def torch_load_every_rank() -> None:
+        sd = torch.load(pt_path, mmap=False, weights_only=True)
+        if kind == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import StateDictType
+
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                model.load_state_dict(sd)
+        else:
+            set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))
+
+    def torch_broadcast_from_rank0() -> None:
+        sd = torch.load(pt_path, mmap=False, weights_only=True) if rank == 0 else {}
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, sd, options=opts)
+
+    out: dict = {}
+    if "gather" in ops:
+        out["gather: shardgather"] = (lambda: sg.full_state_dict(model), same)
+        if kind == "fsdp1":
+            out["gather: torch FSDP1 FULL_STATE_DICT"] = (torch_full, same)
+        out["gather: torch get_model_state_dict"] = (
+            lambda: get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            ),
+            same,
+        )
+    if "save" in ops:
+        out["save: shardgather -> safetensors"] = (
+            lambda: sg.save_full_state_dict(model, st_path),
+            file_equal,
+        )
+        out["save: torch full sd + torch.save"] = (torch_save, None)
+        out["save: torch full sd + safetensors"] = (torch_save_safetensors, None)
+    if "load" in ops:
+        out["load: shardgather <- safetensors"] = (
+            lambda: sg.load_full_state_dict(model, st_path),
+            gathered_equal,
+        )
+        out["load: torch.load every rank + load_state_dict"] = (
+            torch_load_every_rank,
+            gathered_equal,
+        )
+        out["load: torch set_model_state_dict(broadcast_from_rank0)"] = (
+            torch_broadcast_from_rank0,
+            gathered_equal,
+        )
     return out
 
 
@@ -83,6 +163,45 @@ def _shard(kind: str, model: nn.Module, device: torch.device, world: int) -> nn.
     return model
 
 
+def _measure(name: str, fn, verify, ref_sd: dict, repeats: int, nccl: bool) -> dict:  # type: ignore[no-untyped-def]
+    """Run once (warm-up, verified), then ``repeats`` timed runs with peak RSS."""
+    times, peaks, gpu_peaks = [], [], []
+    result: dict = {}
+    nbytes = 0
+    for it in range(repeats + 1):
+        dist.barrier()
+        if nccl:
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+        with peak_rss_rise() as mem:
+            t0 = time.perf_counter()
+            out = fn()
+            if nccl:
+                torch.cuda.synchronize()
+            dist.barrier()
+            dt = time.perf_counter() - t0
+        if isinstance(out, dict) and out:
+            nbytes = _nbytes(out)
+        if it == 0:
+            result["verified"] = None if verify is None else bool(verify(out, ref_sd))
+        else:
+            times.append(dt)
+            peaks.append(mem["peak_rise"])
+            if nccl:
+                gpu_peaks.append(torch.cuda.max_memory_allocated())
+        del out
+        trim()
+    result.update(
+        time_s=statistics.median(times),
+        times_s=times,
+        peak_rss_rise=max(peaks),
+        out_bytes=nbytes or _nbytes(ref_sd) if ref_sd else nbytes,
+    )
+    if nccl:
+        result["peak_gpu_allocated"] = max(gpu_peaks)
+    return result
+
+
 def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     nccl = args.backend == "nccl"
@@ -98,50 +217,18 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     )
     results: dict = {}
     try:
+        import shardgather as sg
+
         for kind in args.fsdp:
             model = _shard(kind, build_gpt(args.size_gb, device), device, world)
             trim()
-            ref_sd = None
-            for name, fn in _methods(kind, model).items():
+            # The reference every method is checked against (kept on rank 0 only).
+            ref_sd = sg.full_state_dict(model)
+            for name, (fn, verify) in _methods(kind, model, tmp, set(args.ops)).items():
                 if args.methods and not any(m in name for m in args.methods):
                     continue
-                times, peaks, gpu_peaks = [], [], []
-                for it in range(args.repeats + 1):
-                    dist.barrier()
-                    if nccl:
-                        torch.cuda.reset_peak_memory_stats()
-                        torch.cuda.synchronize()
-                    with peak_rss_rise() as mem:
-                        t0 = time.perf_counter()
-                        sd = fn()
-                        if nccl:
-                            torch.cuda.synchronize()
-                        dist.barrier()
-                        dt = time.perf_counter() - t0
-                    nbytes = _nbytes(sd) if sd else 0
-                    if it == 0 and rank == 0:
-                        if name == "shardgather":
-                            ref_sd = sd
-                        verified = _same(ref_sd, sd) if ref_sd is not None else None
-                        results.setdefault(f"{kind}/{name}", {})["verified"] = verified
-                    if it > 0:  # the first run is the warm-up
-                        times.append(dt)
-                        peaks.append(mem["peak_rise"])
-                        if nccl:
-                            gpu_peaks.append(torch.cuda.max_memory_allocated())
-                    del sd
-                    trim()
-                r = results.setdefault(f"{kind}/{name}", {})
-                r.update(
-                    time_s=statistics.median(times),
-                    times_s=times,
-                    peak_rss_rise=max(peaks),
-                    out_bytes=nbytes,
-                )
-                if nccl:
-                    r["peak_gpu_allocated"] = max(gpu_peaks)
-            ref_sd = None
-            del model
+                results[f"{kind}/{name}"] = _measure(name, fn, verify, ref_sd, args.repeats, nccl)
+            del model, ref_sd
             trim()
     except BaseException:
         import traceback
@@ -154,12 +241,41 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         os._exit(0)
 
 
+def _rows(per_rank: list[dict]) -> list[dict]:
+    rows = []
+    for key, r0 in per_rank[0].items():
+        kind, name = key.split("/", 1)
+        op = name.split(":")[0]
+        base = per_rank[0].get(
+            next((k for k in per_rank[0] if k.startswith(f"{kind}/{op}: shardgather")), "")
+        )
+        rows.append(
+            {
+                "method": key,
+                "time_s": r0["time_s"],
+                "gb_per_s": r0["out_bytes"] / r0["time_s"] / 1e9 if r0["time_s"] else None,
+                "out_bytes": r0["out_bytes"],
+                "peak_rss_rise_per_rank": [pr[key]["peak_rss_rise"] for pr in per_rank],
+                "peak_gpu_allocated_per_rank": [
+                    pr[key].get("peak_gpu_allocated") for pr in per_rank
+                ],
+                "verified": r0.get("verified"),
+                "time_ratio_vs_shardgather": r0["time_s"] / base["time_s"] if base else None,
+                "times_s": r0["times_s"],
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--fsdp", nargs="+", default=["fsdp1", "fsdp2"], choices=["fsdp1", "fsdp2"])
+    ap.add_argument(
+        "--ops", nargs="+", default=["gather", "save", "load"], choices=["gather", "save", "load"]
+    )
     ap.add_argument("--methods", nargs="*", default=None, help="substrings of method names")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -184,38 +300,21 @@ def main() -> None:
                 sys.exit(f"rank {r} failed:\n{res['__error__']}")
             per_rank.append(res)
 
-    rows = []
-    for key in per_rank[0]:
-        kind = key.split("/")[0]
-        base = per_rank[0].get(f"{kind}/shardgather", {})
-        r0 = per_rank[0][key]
-        rows.append(
-            {
-                "method": key,
-                "time_s": r0["time_s"],
-                "gb_per_s": r0["out_bytes"] / r0["time_s"] / 1e9 if r0["time_s"] else None,
-                "out_bytes": r0["out_bytes"],
-                "peak_rss_rise_per_rank": [pr[key]["peak_rss_rise"] for pr in per_rank],
-                "peak_gpu_allocated_per_rank": [
-                    pr[key].get("peak_gpu_allocated") for pr in per_rank
-                ],
-                "verified_equal_to_shardgather": r0.get("verified"),
-                "time_ratio_vs_shardgather": r0["time_s"] / base["time_s"] if base else None,
-                "times_s": r0["times_s"],
-            }
-        )
+    rows = _rows(per_rank)
     print(
-        f"\nmodel {args.size_gb} GiB fp32, world {args.world}, {args.backend}, "
-        f"median of {args.repeats} after a warm-up"
+        f"\nmodel {args.size_gb} GiB fp32 (tied GPT), world {args.world}, {args.backend}, "
+        f"median of {args.repeats} after a verified warm-up; time/sg = time / shardgather's"
     )
     print(
-        f"{'method':42} {'time s':>8} {'GB/s':>6} {'x sg':>6} {'peak RSS rise MiB per rank':>28} ok"
+        f"{'method':64} {'time s':>7} {'GB/s':>5} {'time/sg':>7} "
+        f"{'peak RSS rise MiB/rank':>23} verified"
     )
     for r in rows:
         rss = " / ".join(f"{x / 2**20:.0f}" for x in r["peak_rss_rise_per_rank"])
+        ratio = r["time_ratio_vs_shardgather"]
         print(
-            f"{r['method']:42} {r['time_s']:8.3f} {r['gb_per_s']:6.2f} "
-            f"{r['time_ratio_vs_shardgather']:6.2f} {rss:>28} {r['verified_equal_to_shardgather']}"
+            f"{r['method']:64} {r['time_s']:7.3f} {r['gb_per_s']:5.2f} "
+            f"{ratio if ratio is not None else float('nan'):7.2f} {rss:>23} {r['verified']}"
         )
     import shardgather
 
@@ -236,7 +335,7 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
-    bad = [r["method"] for r in rows if r["verified_equal_to_shardgather"] is False]
+    bad = [r["method"] for r in rows if r["verified"] is False]
     if bad:
         sys.exit(f"results differ from shardgather's: {bad}")
 
