@@ -140,6 +140,9 @@ def _methods(kind: str, model: nn.Module, files: str, ops: set[str]) -> dict:
             torch_load_every_rank,
             gathered_equal,
         )
+    if "load" in ops and kind == "fsdp2":
+        # torch 2.14 on FSDP1 with tied weights: non-zero ranks raise "Missing key(s):
+        # lm_head.weight" in set_model_state_dict(broadcast_from_rank0=True).
         out["load: torch set_model_state_dict(broadcast_from_rank0)"] = (
             torch_broadcast_from_rank0,
             gathered_equal,
@@ -165,7 +168,7 @@ def _shard(kind: str, model: nn.Module, device: torch.device, world: int) -> nn.
 
 def _measure(name: str, fn, verify, ref_sd: dict, repeats: int, nccl: bool) -> dict:  # type: ignore[no-untyped-def]
     """Run once (warm-up, verified), then ``repeats`` timed runs with peak RSS."""
-    times, peaks, gpu_peaks = [], [], []
+    times, peaks, shm_peaks, gpu_peaks = [], [], [], []
     result: dict = {}
     nbytes = 0
     for it in range(repeats + 1):
@@ -187,6 +190,7 @@ def _measure(name: str, fn, verify, ref_sd: dict, repeats: int, nccl: bool) -> d
         else:
             times.append(dt)
             peaks.append(mem["peak_rise"])
+            shm_peaks.append(mem["shm_rise"])
             if nccl:
                 gpu_peaks.append(torch.cuda.max_memory_allocated())
         del out
@@ -195,6 +199,7 @@ def _measure(name: str, fn, verify, ref_sd: dict, repeats: int, nccl: bool) -> d
         time_s=statistics.median(times),
         times_s=times,
         peak_rss_rise=max(peaks),
+        peak_shm_rise=max(shm_peaks),
         out_bytes=nbytes or _nbytes(ref_sd) if ref_sd else nbytes,
     )
     if nccl:
@@ -256,6 +261,7 @@ def _rows(per_rank: list[dict]) -> list[dict]:
                 "gb_per_s": r0["out_bytes"] / r0["time_s"] / 1e9 if r0["time_s"] else None,
                 "out_bytes": r0["out_bytes"],
                 "peak_rss_rise_per_rank": [pr[key]["peak_rss_rise"] for pr in per_rank],
+                "peak_shm_rise_node": r0["peak_shm_rise"],
                 "peak_gpu_allocated_per_rank": [
                     pr[key].get("peak_gpu_allocated") for pr in per_rank
                 ],
@@ -290,15 +296,18 @@ def main() -> None:
             p.start()
         for p in procs:
             p.join()
-        per_rank = []
+        per_rank, errors = [], []
         for r in range(args.world):
             path = Path(tmp) / f"rank{r}.pt"
             if not path.exists():
-                sys.exit(f"rank {r} died (exit code {procs[r].exitcode})")
+                errors.append(f"rank {r} died (exit code {procs[r].exitcode})")
+                continue
             res = torch.load(path, weights_only=False)
             if "__error__" in res:
-                sys.exit(f"rank {r} failed:\n{res['__error__']}")
+                errors.append(f"rank {r} failed:\n{res['__error__']}")
             per_rank.append(res)
+        if errors:
+            sys.exit("\n".join(errors))
 
     rows = _rows(per_rank)
     print(
@@ -307,14 +316,15 @@ def main() -> None:
     )
     print(
         f"{'method':64} {'time s':>7} {'GB/s':>5} {'time/sg':>7} "
-        f"{'peak RSS rise MiB/rank':>23} verified"
+        f"{'peak RSS rise MiB/rank':>23} {'+shm MiB':>8} verified"
     )
     for r in rows:
         rss = " / ".join(f"{x / 2**20:.0f}" for x in r["peak_rss_rise_per_rank"])
         ratio = r["time_ratio_vs_shardgather"]
         print(
             f"{r['method']:64} {r['time_s']:7.3f} {r['gb_per_s']:5.2f} "
-            f"{ratio if ratio is not None else float('nan'):7.2f} {rss:>23} {r['verified']}"
+            f"{ratio if ratio is not None else float('nan'):7.2f} {rss:>23} "
+            f"{r['peak_shm_rise_node'] / 2**20:8.0f} {r['verified']}"
         )
     import shardgather
 

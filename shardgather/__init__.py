@@ -32,3 +32,7 @@ __all__ += ["full_state_dict"]
 from .checkpoint import LoadResult, load_file, load_full_state_dict, save_full_state_dict  # noqa: E402
 
 __all__ += ["LoadResult", "load_file", "load_full_state_dict", "save_full_state_dict"]
+
+from .optim import full_optim_state_dict, load_full_optim_state_dict  # noqa: E402
+
+__all__ += ["full_optim_state_dict", "load_full_optim_state_dict"]

@@ -32,6 +32,16 @@ def _hwm() -> int:
     return 0
 
 
+def _shmem() -> int:
+    """System-wide shared memory (tmpfs, /dev/shm) in bytes: output that lives there is
+    memory too, though no process's RSS shows it until touched."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -49,16 +59,20 @@ def trim() -> None:
 
 @contextmanager
 def peak_rss_rise() -> Iterator[dict]:
-    """``with peak_rss_rise() as m: ...`` then ``m["peak_rise"]`` (bytes)."""
+    """``with peak_rss_rise() as m: ...`` then ``m["peak_rise"]``: this process's peak
+    RSS rise, and ``m["shm_rise"]``: the node's peak shared-memory rise (bytes)."""
     trim()
     base = _rss()
+    shm_base = _shmem()
     hwm_ok = _reset_hwm()
     peak = [base]
+    shm_peak = [shm_base]
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], _rss())
+            shm_peak[0] = max(shm_peak[0], _shmem())
             time.sleep(0.002)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -72,3 +86,4 @@ def peak_rss_rise() -> Iterator[dict]:
         top = max(peak[0], _rss(), _hwm() if hwm_ok else 0)
         out["peak_rise"] = top - base
         out["base_rss"] = base
+        out["shm_rise"] = max(shm_peak[0], _shmem()) - shm_base

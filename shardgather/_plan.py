@@ -84,6 +84,9 @@ class GatherPlan:
     rank: int
     world: int
     fingerprint: str = field(default="")
+    # Storage identity -> primary key: ("fsdp1", id(flat_param), index),
+    # ("fsdp2", id(FSDPParam)) or ("local", id(tensor)). Optimizer state uses it.
+    identities: dict[object, str] = field(default_factory=dict)
 
     def entries_by_source(self) -> dict[int, list[Entry]]:
         out: dict[int, list[Entry]] = {}
@@ -155,7 +158,7 @@ class _FlatRef:
     base: int
     shape: torch.Size
     stride: tuple[int, ...]
-    identity: tuple[int, int]  # (id(flat_param), param index): aliases share it
+    identity: tuple[str, int, int]  # ("fsdp1", id(flat_param), param index): aliases share it
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, tuple[int, ...]]:
@@ -211,7 +214,7 @@ def _fsdp1_refs(model: nn.Module, sources: list[Source]) -> dict[tuple[int, str]
         for i, info in enumerate(flat._param_infos):
             shape = torch.Size(flat._shapes[i])
             stride = tuple(flat._strides[i]) if not contiguities[i] else _contiguous_stride(shape)
-            ref = _FlatRef(src, offsets[i], shape, stride, (id(flat), i))
+            ref = _FlatRef(src, offsets[i], shape, stride, ("fsdp1", id(flat), i))
             refs[(id(info.module), info.param_name)] = ref
             primary[(id(info.module), info.param_name)] = i
         for sinfo in flat._shared_param_infos:
@@ -427,7 +430,7 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    plan = GatherPlan(keys, entries, aliases, sources, rank, world)
+    plan = GatherPlan(keys, entries, aliases, sources, rank, world, identities=by_identity)
     plan.fingerprint = _fingerprint(plan)
     return plan
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _layout as L
-from . import _ops, _staging
+from . import _node_local, _ops, _staging
 from ._collectives import Bucket, agree, bucket_parts, build_buckets, gather_buckets
 from ._plan import GatherPlan, _memory_order_flat, build_plan
 from .errors import ShardGatherError
@@ -38,6 +38,27 @@ def _verify_options(model: Any, bucket_mb: float | None, dtype: torch.dtype | No
         raise ShardGatherError(f"bucket_mb must be > 0, got {bucket_mb}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ShardGatherError(f"dtype must be a floating-point torch.dtype or None, got {dtype}")
+
+
+def _verify_transport(transport: str, pin_memory: bool) -> None:
+    if transport not in ("auto", "shm", "collective"):
+        raise ShardGatherError(
+            f"transport must be 'auto', 'shm' or 'collective', got {transport!r}"
+        )
+    if pin_memory and not torch.cuda.is_available():
+        raise ShardGatherError("pin_memory=True needs CUDA (pinned memory is page-locked for DMA)")
+
+
+def _all_ok(ok: bool, message: str) -> list[str]:
+    """Every rank's failure message (empty when all succeeded). Best effort when a rank died."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [] if ok else [message]
+    out: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(out, (ok, message))
+    except Exception as exc:
+        return [f"a rank is unreachable ({exc})"]
+    return [f"rank {r}: {m}" for r, (o, m) in enumerate(out) if not o]
 
 
 def _receiving(plan: GatherPlan, rank0_only: bool) -> bool:
@@ -86,6 +107,7 @@ def full_state_dict(
     pin_memory: bool = False,
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """The full, unwrapped state dict of a (sharded) model, on CPU.
 
@@ -108,6 +130,12 @@ def full_state_dict(
         progress: show a tqdm bar of bytes on the receiving rank(s).
         timeout: per-collective timeout; a failed or missing rank raises instead of
             hanging.
+        transport: ``"auto"``: when every rank is on rank 0's host and the shards are on
+            the CPU (and ``rank0_only``), each rank writes its own pieces straight into
+            one shared-memory region that becomes the output (no collective moves
+            data; the output tensors are views of that region, freed with the last
+            one); otherwise bucketed collectives. ``"shm"``: ask for the former (warns
+            once and falls back when impossible). ``"collective"``: always the latter.
 
     Returns:
         ``dict[str, Tensor]``: CPU tensors with the plain model's shapes and strides.
@@ -123,9 +151,46 @@ def full_state_dict(
         ...     plain_model.load_state_dict(sd)
     """
     _verify_options(model, bucket_mb, dtype)
+    _verify_transport(transport, pin_memory)
     plan = build_plan(model, dtype=dtype)
-    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
     agree(plan, timeout)
+    outputs = gather_plan(
+        plan,
+        rank0_only=rank0_only,
+        bucket_mb=bucket_mb,
+        pin_memory=pin_memory,
+        progress=progress,
+        timeout=timeout,
+        transport=transport,
+    )
+    if outputs is None:
+        return {}
+    return {k: outputs[plan.aliases.get(k, k)] for k in plan.keys}
+
+
+def gather_plan(
+    plan: GatherPlan,
+    *,
+    rank0_only: bool,
+    bucket_mb: float | None,
+    pin_memory: bool = False,
+    progress: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> dict[str, torch.Tensor] | None:
+    """The engine: every primary entry of an agreed plan, gathered; None where this rank
+    receives nothing. Model and optimizer state share it."""
+    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
+    if not pin_memory and _node_local.choose(
+        plan,
+        transport,
+        rank0_only,
+        need_contiguous=False,
+        shm_bytes=_node_local.shm_layout(plan)[1],
+    ):
+        return _node_local.gather_to_shm(
+            plan, lambda i: 0 in plan.sources[i].group_ranks, _copy_local, timeout, _all_ok
+        )
     receives = _receiving(plan, rank0_only)
     outputs: dict[str, torch.Tensor] = {}
     if receives:
@@ -157,25 +222,26 @@ def full_state_dict(
                 _copy_out_cuda(rows, parts, outputs, slot)
                 slot ^= 1
             else:
-                fulls: list[torch.Tensor] = []
-                index: dict[str, int] = {}
-                segs: list[L.Segment] = []
-                for p in parts:
-                    if p.entry.key not in index:
-                        index[p.entry.key] = len(fulls)
-                        fulls.append(_memory_order_flat(outputs[p.entry.key]))
-                    segs.append(
-                        _with_dst(
-                            p.segment, index[p.entry.key], p.start * p.entry.target_dtype.itemsize
-                        )
-                    )
-                _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
+                _copy_out_cpu(rows, parts, outputs)
             bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
     finally:
         bar.close()
-    if not receives:
-        return {}
-    return {k: outputs[plan.aliases.get(k, k)] for k in plan.keys}
+    return outputs if receives else None
+
+
+def _copy_out_cpu(rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tensor]) -> None:
+    """One copy_out call per bucket, straight into the output tensors."""
+    fulls: list[torch.Tensor] = []
+    index: dict[str, int] = {}
+    segs: list[L.Segment] = []
+    for p in parts:
+        if p.entry.key not in index:
+            index[p.entry.key] = len(fulls)
+            fulls.append(_memory_order_flat(outputs[p.entry.key]))
+        segs.append(
+            _with_dst(p.segment, index[p.entry.key], p.start * p.entry.target_dtype.itemsize)
+        )
+    _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
 
 
 def _with_dst(seg: L.Segment, full_index: int, full_byte: int) -> L.Segment:

@@ -15,16 +15,18 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _layout as L
-from . import _ops
+from . import _node_local, _ops
 from ._collectives import agree, bucket_parts, gather_buckets
 from ._plan import Entry, GatherPlan, _memory_order_flat, build_plan
 from .api import (
     DEFAULT_TIMEOUT,
+    _all_ok,
     _copy_local,
     _my_buckets,
     _Progress,
     _use_gather,
     _verify_options,
+    _verify_transport,
     default_bucket_mb,
 )
 from .errors import CheckpointError, CollectiveError, ShardGatherError, StateDictMismatchError
@@ -36,18 +38,6 @@ from .io.safetensors_format import (
     pwrite_from,
     read_header,
 )
-
-
-def _all_ok(ok: bool, message: str) -> list[str]:
-    """Every rank's failure message (empty when all succeeded). Best effort when a rank died."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [] if ok else [message]
-    out: list[Any] = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(out, (ok, message))
-    except Exception as exc:
-        return [f"a rank is unreachable ({exc})"]
-    return [f"rank {r}: {m}" for r, (o, m) in enumerate(out) if not o]
 
 
 def _file_order(plan: GatherPlan) -> list[Entry]:
@@ -64,6 +54,7 @@ def save_full_state_dict(
     bucket_mb: float | None = None,
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
 ) -> None:
     """Write the full, unwrapped state dict to one safetensors file, streaming.
 
@@ -80,6 +71,10 @@ def save_full_state_dict(
         dtype: cast floating-point tensors (e.g. ``torch.bfloat16`` to ship a model).
         metadata: extra ``str -> str`` header metadata.
         bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
+        transport: ``"auto"``: when every rank is on rank 0's host (the same
+            filesystem), every rank pwrites its own pieces into the file in parallel;
+            otherwise rank 0 writes what bucketed collectives bring it. ``"shm"`` asks
+            for the former (warns once and falls back), ``"collective"`` for the latter.
 
     Raises:
         ShardGatherError: bad arguments; CollectiveError: another rank failed.
@@ -88,6 +83,7 @@ def save_full_state_dict(
         >>> shardgather.save_full_state_dict(model, "model.safetensors", dtype=torch.bfloat16)
     """
     _verify_options(model, bucket_mb, dtype)
+    _verify_transport(transport, False)
     if metadata is not None and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -95,32 +91,36 @@ def save_full_state_dict(
     plan = build_plan(model, dtype=dtype)
     bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
     agree(plan, timeout)
+    parallel = _node_local.choose(plan, transport, True, need_contiguous=True, shm_bytes=None)
     final = os.path.abspath(os.fspath(path))
     writer = plan.rank == 0
     tmp_path: str | None = None
     fd = -1
     error = ""
+    # The header follows from the plan alone: every rank knows every file offset.
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    pos = 0
+    for e in _file_order(plan):
+        layout[e.key] = (e.target_dtype, tuple(e.shape), pos, pos + e.nbytes)
+        pos += e.nbytes
+    meta = dict(metadata or {})
+    meta["format"] = "pt"
+    if plan.aliases:
+        meta[ALIASES_KEY] = json.dumps(plan.aliases)
+    header = encode_header(layout, meta)
+    offsets = {k: len(header) + v[2] for k, v in layout.items()}
     try:
-        offsets: dict[str, int] = {}
         if writer:
-            layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-            pos = 0
-            for e in _file_order(plan):
-                layout[e.key] = (e.target_dtype, tuple(e.shape), pos, pos + e.nbytes)
-                pos += e.nbytes
-            meta = dict(metadata or {})
-            meta["format"] = "pt"
-            if plan.aliases:
-                meta[ALIASES_KEY] = json.dumps(plan.aliases)
-            header = encode_header(layout, meta)
-            offsets = {k: len(header) + v[2] for k, v in layout.items()}
             directory = os.path.dirname(final) or "."
             fd, tmp_path = tempfile.mkstemp(
                 prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory
             )
             os.ftruncate(fd, len(header) + pos)
             os.pwrite(fd, header, 0)
-        _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
+        if parallel:
+            _write_parallel(plan, fd, tmp_path, offsets, writer)
+        else:
+            _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
         if writer:
             os.fsync(fd)
     except BaseException as exc:
@@ -145,6 +145,25 @@ def save_full_state_dict(
             os.close(dir_fd)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()  # the file exists for everyone once save returns
+
+
+def _write_parallel(
+    plan: GatherPlan, fd: int, tmp_path: str | None, offsets: dict[str, int], writer: bool
+) -> None:
+    """Every rank pwrites its own pieces into the temp file (same host, so same file)."""
+    name = [tmp_path]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    if writer:
+        for e in plan.entries.values():
+            if e.source.group is None:
+                out = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
+                _copy_local(e.source.local(), e, out)
+                pwrite_from(fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key])
+    assert name[0] is not None
+    _node_local.parallel_file_write(
+        plan, name[0], offsets, lambda i: 0 in plan.sources[i].group_ranks
+    )
 
 
 def _cleanup(fd: int, tmp_path: str | None) -> None:

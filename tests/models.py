@@ -73,9 +73,11 @@ def batch(rank: int, step: int, vocab: int = 37) -> torch.Tensor:
     return torch.randint(0, vocab, (4, 6), generator=g)
 
 
-def train_steps(model: nn.Module, rank: int, steps: int, opt: torch.optim.Optimizer) -> float:
+def train_steps(
+    model: nn.Module, rank: int, steps: int, opt: torch.optim.Optimizer, start: int = 0
+) -> float:
     loss = torch.tensor(0.0)
-    for s in range(steps):
+    for s in range(start, start + steps):
         opt.zero_grad(set_to_none=True)
         loss = model(batch(rank, s)).float().pow(2).mean()
         loss.backward()

@@ -41,9 +41,15 @@ FSDP1_CASES = {
     "hybrid_shard": (4, {"strategy": "HYBRID_SHARD"}),
     "hybrid_shard_zero2": (4, {"strategy": "_HYBRID_SHARD_ZERO2"}),
     "compiled": (2, {"compile": True}),
-    "small_bucket": (2, {"bucket_mb": 0.0005}),
+    "small_bucket": (2, {"bucket_mb": 0.0005, "transport": "collective"}),
     "bf16_cast": (2, {"dtype": torch.bfloat16}),
     "all_ranks": (2, {"rank0_only": False}),
+    # The default transport on one host is node-local; these pin the collective path.
+    "collective": (2, {"transport": "collective"}),
+    "collective-world3-orig_params": (3, {"use_orig_params": True, "transport": "collective"}),
+    "collective-hybrid_shard": (4, {"strategy": "HYBRID_SHARD", "transport": "collective"}),
+    "collective-bf16_cast": (2, {"dtype": torch.bfloat16, "transport": "collective"}),
+    "collective-mixed_precision": (2, {"mixed_precision": True, "transport": "collective"}),
 }
 
 FSDP2_CASES = {
@@ -56,8 +62,12 @@ FSDP2_CASES = {
     "hsdp-all_ranks": (4, {"hsdp": True, "rank0_only": False}),
     "untied": (2, {"tied": False}),
     "ac_inside": (2, {"ac": "inside"}),
-    "small_bucket": (2, {"bucket_mb": 0.0005}),
+    "small_bucket": (2, {"bucket_mb": 0.0005, "transport": "collective"}),
     "bf16_cast": (2, {"dtype": torch.bfloat16}),
+    "collective": (2, {"transport": "collective"}),
+    "collective-world3": (3, {"transport": "collective"}),
+    "collective-hsdp": (4, {"hsdp": True, "transport": "collective"}),
+    "collective-mixed_dtype": (2, {"frozen_bf16": True, "transport": "collective"}),
 }
 
 
@@ -150,6 +160,7 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         "rank0_only": kw.get("rank0_only", True),
         "bucket_mb": kw.get("bucket_mb"),
         "dtype": kw.get("dtype"),
+        "transport": kw.get("transport", "auto"),
     }
 
     # 1. Right after wrapping (lazy init not run): the plain model is the oracle.
@@ -231,6 +242,7 @@ def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         "rank0_only": kw.get("rank0_only", True),
         "bucket_mb": kw.get("bucket_mb"),
         "dtype": kw.get("dtype"),
+        "transport": kw.get("transport", "auto"),
     }
     got = sg.full_state_dict(model, **opts)
     problems = [
@@ -320,7 +332,7 @@ def rank_fails_midway(rank: int, world: int) -> dict:  # type: ignore[type-arg]
 
         shardgather.api.gather_buckets = dying
     try:
-        sg.full_state_dict(model, timeout=datetime.timedelta(seconds=20))
+        sg.full_state_dict(model, timeout=datetime.timedelta(seconds=20), transport="collective")
     except sg.CollectiveError as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     return {"raised": None}
@@ -364,6 +376,7 @@ def save_then_load(
     load_kind: str,
     dtype: torch.dtype | None = None,
     small_bucket: bool = False,
+    transport: str = "auto",
 ) -> dict:  # type: ignore[type-arg]
     """Save from one configuration (seed 0, trained), load into another (seed 1), and
     compare what the loaded model gathers with what was saved."""
@@ -372,7 +385,12 @@ def save_then_load(
     train_steps(saved, rank, 1, opt)
     want = sg.full_state_dict(saved)
     sg.save_full_state_dict(
-        saved, path, dtype=dtype, metadata={"step": "1"}, bucket_mb=0.001 if small_bucket else None
+        saved,
+        path,
+        dtype=dtype,
+        metadata={"step": "1"},
+        bucket_mb=0.001 if small_bucket else None,
+        transport=transport,
     )
     problems: list[str] = []
     if rank == 0:
@@ -446,7 +464,7 @@ def load_errors(rank: int, world: int, path: str) -> dict:  # type: ignore[type-
     return out
 
 
-def save_fails_on_one_rank(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+def save_fails_on_one_rank(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
     """The writer's disk fills up mid-stream: every rank raises, nothing is left."""
     import errno
     import os
@@ -466,7 +484,7 @@ def save_fails_on_one_rank(rank: int, world: int, path: str) -> dict:  # type: i
 
         checkpoint.pwrite_from = full_disk
     try:
-        sg.save_full_state_dict(model, path, bucket_mb=0.001)
+        sg.save_full_state_dict(model, path, bucket_mb=0.001, transport=transport)
         raised = None
     except sg.ShardGatherError as exc:
         raised = (type(exc).__name__, str(exc))
@@ -507,4 +525,183 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
         sg.load_full_state_dict(model, path, bucket_mb=bucket_mb)
     out["load_rise"] = m["peak_rise"]
     out["file_bytes"] = __import__("os").path.getsize(path)
+    return out
+
+
+def node_local_rank_dies(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    """Rank 1 dies while writing its pieces: rank 0 raises; /dev/shm keeps nothing."""
+    import datetime
+    import os
+
+    from shardgather import _node_local
+
+    model, _ = _build("fsdp1", world, seed=0)
+    before = set(os.listdir("/dev/shm"))
+    if rank == 1:
+
+        def die(*a, **k):  # type: ignore[no-untyped-def]
+            os._exit(3)
+
+        _node_local.write_pieces = die
+    try:
+        sg.full_state_dict(model, transport="shm", timeout=datetime.timedelta(seconds=30))
+        raised = None
+    except sg.ShardGatherError as exc:
+        raised = type(exc).__name__
+    leaked = sorted(set(os.listdir("/dev/shm")) - before)
+    return {"raised": raised, "leaked": [n for n in leaked if n.startswith("shardgather")]}
+
+
+def shm_too_small(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    """/dev/shm without room: a one-line warning and the collective path, same result."""
+    import warnings
+
+    from shardgather import _node_local
+
+    model, plain = _build("fsdp2", world, seed=0)
+    _node_local.shm_free_bytes = lambda: 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = sg.full_state_dict(model, transport="shm")
+    msgs = [str(w.message) for w in caught if "node-local" in str(w.message)]
+    problems = _check(rank, got, plain.state_dict(), True)
+    return {"warnings": msgs if rank == 0 else [], "problems": problems}
+
+
+OPTIM_CASES = {
+    # id: (world, save kind, resume kind, optimizer)
+    "fsdp1-adamw": (2, "fsdp1", "fsdp1", "adamw"),
+    "fsdp1_orig-adamw": (2, "fsdp1-orig", "fsdp1-orig", "adamw"),
+    "fsdp2-adamw": (2, "fsdp2", "fsdp2", "adamw"),
+    "fsdp2-sgd_momentum": (2, "fsdp2", "fsdp2", "sgd"),
+    "fsdp1-world3-adam": (3, "fsdp1", "fsdp1", "adam"),
+    "fsdp1_orig-world3-sgd_momentum": (3, "fsdp1-orig", "fsdp1-orig", "sgd"),
+    "hsdp-adamw": (4, "fsdp2-hsdp", "fsdp2-hsdp", "adamw"),
+    "fsdp1->fsdp2-adamw": (2, "fsdp1-orig", "fsdp2", "adamw"),
+}
+
+
+def _make_opt(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """Two param groups with different learning rates."""
+    params = list(model.parameters())
+    half = max(1, len(params) // 2)
+    groups = [{"params": params[:half], "lr": 1e-2}, {"params": params[half:], "lr": 5e-3}]
+    groups = [g for g in groups if g["params"]]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=1e-2)
+    return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+
+
+def _same_osd(got: dict, want: dict, exact: bool) -> list[str]:  # type: ignore[type-arg]
+    problems = []
+    if set(got["state"]) != set(want["state"]):
+        problems.append(f"state keys differ: {sorted(set(got['state']) ^ set(want['state']))}")
+    for k in want["state"]:
+        for name, v in want["state"][k].items():
+            g = got["state"].get(k, {}).get(name)
+            if g is None:
+                problems.append(f"{k}.{name} missing")
+            elif exact and not torch.equal(g, v):
+                problems.append(f"{k}.{name} differs")
+            elif not exact and not torch.allclose(g.double(), v.double(), atol=1e-5, rtol=1e-4):
+                problems.append(f"{k}.{name} not close")
+    gp = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": sorted(g["params"])}
+        for g in got["param_groups"]
+    ]
+    wp = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": sorted(g["params"])}
+        for g in want["param_groups"]
+    ]
+    if exact and gp != wp:
+        problems.append(f"param groups differ: {gp} vs {wp}")
+    return problems
+
+
+def optim_resume(rank: int, world: int, path: str, case: str) -> dict:  # type: ignore[type-arg]
+    """Run A trains N+M steps; run B trains N, saves model + optimizer, is thrown away;
+    a fresh model C (other seed) loads both and trains M: C must equal A."""
+    _, save_kind, resume_kind, opt_name = OPTIM_CASES[case]
+    exact = save_kind == resume_kind
+    n, m = 2, 2
+    a, _ = _build(save_kind, world, seed=0)
+    oa = _make_opt(a, opt_name)
+    train_steps(a, rank, n + m, oa)
+    a_sd = sg.full_state_dict(a)
+    a_osd = sg.full_optim_state_dict(a, oa)
+    problems: list[str] = []
+    if save_kind.startswith("fsdp2"):
+        # torch's own full optimizer state dict as an oracle (FSDP2: correct on CPU).
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        ref = get_optimizer_state_dict(
+            a, oa, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if rank == 0:
+            problems += ["vs torch: " + p for p in _same_osd(a_osd, ref, exact=True)]
+    del a, oa
+
+    b, _ = _build(save_kind, world, seed=0)
+    ob = _make_opt(b, opt_name)
+    train_steps(b, rank, n, ob)
+    sg.save_full_state_dict(b, path)
+    osd = sg.full_optim_state_dict(b, ob)  # rank 0 only: loading broadcasts it
+    loss_at_save = _eval_loss(b, rank, n)
+    del b, ob
+
+    c, _ = _build(resume_kind, world, seed=1)
+    oc = _make_opt(c, opt_name)
+    sg.load_full_state_dict(c, path)
+    sg.load_full_optim_state_dict(c, oc, osd)
+    loss_at_resume = _eval_loss(c, rank, n)
+    # Buffers (BatchNorm statistics) are per rank and a full state dict holds rank 0's,
+    # so only rank 0 resumes with exactly its own buffers.
+    if exact and rank == 0 and loss_at_resume != loss_at_save:
+        problems.append(f"loss after resume {loss_at_resume} != at save {loss_at_save}")
+    train_steps(c, rank, m, oc, start=n)
+    c_sd = sg.full_state_dict(c)
+    c_osd = sg.full_optim_state_dict(c, oc)
+    if rank == 0:
+        if exact:
+            problems += ["model: " + p for p in diff_state_dicts(c_sd, a_sd)]
+        else:
+            for k, v in a_sd.items():
+                if not torch.allclose(c_sd[k].double(), v.double(), atol=1e-5, rtol=1e-4):
+                    problems.append(f"model {k} not close")
+        problems += ["optim: " + p for p in _same_osd(c_osd, a_osd, exact)]
+    return {"problems": problems}
+
+
+def _eval_loss(model: nn.Module, rank: int, step: int) -> float:
+    """The loss on the next batch, in eval mode (so BatchNorm statistics stay put)."""
+    from .models import batch
+
+    model.eval()
+    with torch.no_grad():
+        loss = float(model(batch(rank, step)).float().pow(2).mean())
+    model.train()
+    return loss
+
+
+def optim_edge_cases(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    """Before the first step: an empty state that loads; a mismatched checkpoint fails."""
+    model, _ = _build("fsdp2", world, seed=0)
+    opt = _make_opt(model, "adamw")
+    osd = sg.full_optim_state_dict(model, opt, rank0_only=False)
+    out: dict = {"empty_state": osd["state"] == {}, "groups": len(osd["param_groups"])}
+    sg.load_full_optim_state_dict(model, opt, osd)
+    bad = {
+        "state": {},
+        "param_groups": [dict(osd["param_groups"][0], params=["nope"]), osd["param_groups"][1]],
+    }
+    try:
+        sg.load_full_optim_state_dict(model, opt, bad)
+        out["mismatch"] = None
+    except sg.StateDictMismatchError as exc:
+        out["mismatch"] = str(exc)
     return out

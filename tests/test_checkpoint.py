@@ -25,7 +25,15 @@ ROUND_TRIPS = {
     "fsdp2->hsdp": (4, "fsdp2", "fsdp2-hsdp", {}),
     "fsdp1->plain": (2, "fsdp1", "plain", {}),
     "bf16_export->fsdp2": (2, "fsdp1", "fsdp2", {"dtype": torch.bfloat16}),
-    "small_bucket": (2, "fsdp2", "fsdp1", {"small_bucket": True}),
+    "small_bucket": (2, "fsdp2", "fsdp1", {"small_bucket": True, "transport": "collective"}),
+    "collective-fsdp1->fsdp2": (2, "fsdp1", "fsdp2", {"transport": "collective"}),
+    "collective-bf16_export": (
+        2,
+        "fsdp2",
+        "fsdp1",
+        {"transport": "collective", "dtype": torch.bfloat16},
+    ),
+    "collective-hsdp->fsdp1": (4, "fsdp2-hsdp", "fsdp1", {"transport": "collective"}),
 }
 
 
@@ -58,9 +66,12 @@ def test_load_errors_are_clear_and_lose_nothing(tmp_path) -> None:  # type: igno
     assert r["truncated"][0] == "CheckpointError" and "truncated" in r["truncated"][1]
 
 
-def test_failed_save_on_one_rank_leaves_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("transport", ["auto", "collective"])
+def test_failed_save_on_one_rank_leaves_nothing(tmp_path, transport) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "model.safetensors")
-    results = dist_harness.run("tests.scenarios:save_fails_on_one_rank", 2, path=path)
+    results = dist_harness.run(
+        "tests.scenarios:save_fails_on_one_rank", 2, path=path, transport=transport
+    )
     for r in results:
         assert r["raised"] is not None and "No space left" in r["raised"][1], r
     assert os.listdir(tmp_path) == []

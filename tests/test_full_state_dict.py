@@ -77,3 +77,17 @@ def test_compiled_plain_module_has_clean_keys() -> None:
 def test_not_a_module_is_a_clear_error() -> None:
     with pytest.raises(sg.ShardGatherError, match=r"nn\.Module"):
         sg.full_state_dict({"a": torch.zeros(1)})  # type: ignore[arg-type]
+
+
+def test_node_local_rank_dying_leaves_no_shared_memory() -> None:
+    results = dist_harness.run(
+        "tests.scenarios:node_local_rank_dies", 2, timeout=120, _allow_missing=(1,)
+    )
+    assert results[0]["raised"] is not None, results[0]
+    assert results[0]["leaked"] == []
+
+
+def test_shm_too_small_falls_back_with_one_warning() -> None:
+    results = dist_harness.run("tests.scenarios:shm_too_small", 2)
+    assert not [p for r in results for p in r["problems"]]
+    assert len(results[0]["warnings"]) == 1 and "free" in results[0]["warnings"][0]

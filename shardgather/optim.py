@@ -1,0 +1,392 @@
+"""Full optimizer state keyed by clean parameter names, gathered with the same plan
+and engine as the model (state tensors share their parameter's shard layout), and
+loaded back shard by shard into any world size or FSDP flavour.
+
+Format (DCP's full optimizer state dict, with the plain model's names)::
+
+    {"state": {"layers.0.weight": {"step": tensor(3.), "exp_avg": <full>, ...}, ...},
+     "param_groups": [{"lr": ..., "betas": ..., "params": ["layers.0.weight", ...]}, ...]}
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _layout as L
+from . import _ops
+from ._collectives import agree
+from ._plan import Entry, GatherPlan, Source, _fingerprint, _memory_order_flat, build_plan
+from .api import DEFAULT_TIMEOUT, _verify_options, _verify_transport, gather_plan
+from .errors import ShardGatherError, StateDictMismatchError
+
+
+@dataclass
+class _ParamRef:
+    """How an optimizer-visible parameter maps onto the plan."""
+
+    param: torch.Tensor
+    kind: str  # "flat" (FSDP1 flat param), "orig" (FSDP1 use_orig_params), "fsdp2", "local"
+    source: Source
+    keys: list[str]  # primary keys it covers (a flat parameter covers many)
+    shard_offset: int = 0  # "orig": where its local elements start in the flat row
+
+
+def _param_refs(model: nn.Module, plan: GatherPlan) -> dict[int, _ParamRef]:
+    """id(optimizer-visible parameter) -> its _ParamRef."""
+    from torch.distributed.fsdp import _traversal_utils
+
+    from ._plan import _fsdp2_params
+
+    refs: dict[int, _ParamRef] = {}
+    ident = plan.identities
+    for handle in _traversal_utils._get_fsdp_handles(model):
+        flat = handle.flat_param
+        keys = [ident[("fsdp1", id(flat), i)] for i in range(len(flat._param_infos))]
+        src = plan.entries[keys[0]].source
+        if getattr(handle, "_use_orig_params", False):
+            for i, p in enumerate(flat._params):
+                info = flat._shard_param_infos[i]
+                offset = info.offset_in_shard if info.in_shard else 0
+                refs[id(p)] = _ParamRef(p, "orig", src, [keys[i]], offset or 0)
+        else:
+            refs[id(flat)] = _ParamRef(flat, "flat", src, keys)
+    fsdp2 = _fsdp2_params(model)
+    for p in model.parameters():
+        if id(p) in refs:
+            continue
+        fp = fsdp2.get(id(p))
+        if fp is not None:
+            key = ident[("fsdp2", id(fp))]
+            refs[id(p)] = _ParamRef(p, "fsdp2", plan.entries[key].source, [key])
+        elif ("local", id(p)) in ident:
+            key = ident[("local", id(p))]
+            refs[id(p)] = _ParamRef(p, "local", plan.entries[key].source, [key])
+    return refs
+
+
+def _is_elementwise(ref: _ParamRef, v: Any) -> bool:
+    """A state value with one element per parameter element (exp_avg, momentum...)."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return False
+    if ref.kind == "flat":
+        return v.dim() == 1 and v.numel() == ref.source.row_numel
+    return tuple(v.shape) == tuple(ref.param.shape)
+
+
+def _local_row(ref: _ParamRef, v: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a state value, in the layout of the param's source row."""
+    if ref.kind == "fsdp2":
+        return v.to_local().detach().reshape(-1)
+    if ref.kind == "local":
+        return _memory_order_flat(v.detach())
+    return v.detach().reshape(-1)
+
+
+def _exchange_meta(refs: list[_ParamRef], optimizer: torch.optim.Optimizer) -> dict:
+    """Per primary key: {state name: ("elem", dtype) | ("scalar", value)}, merged over
+    ranks (a rank holding no elements of a parameter may hold no state for it)."""
+    mine: dict[str, dict[str, tuple]] = {}
+    for ref in refs:
+        if ref.kind == "orig" and ref.param.numel() == 0:
+            # No local elements: torch's optimizers never step it here, so its scalars
+            # (e.g. "step") are stale; the ranks holding its elements report them.
+            continue
+        st = optimizer.state.get(ref.param, {})
+        for name, v in st.items():
+            if _is_elementwise(ref, v):
+                desc: tuple = ("elem", str(v.dtype).replace("torch.", ""))
+            elif isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                desc = ("scalar", local.detach().cpu().clone())
+            else:
+                desc = ("scalar", v)
+            for key in ref.keys:
+                mine.setdefault(key, {})[name] = desc
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, dict[str, tuple]] = {}
+    for rank_meta in everyone:
+        for key, names in rank_meta.items():
+            for name, desc in names.items():
+                merged.setdefault(key, {}).setdefault(name, desc)
+    return merged
+
+
+def _opt_refs(
+    optimizer: torch.optim.Optimizer, refs: dict[int, _ParamRef]
+) -> list[list[_ParamRef]]:
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        row = []
+        for p in group["params"]:
+            ref = refs.get(id(p))
+            if ref is None:
+                raise ShardGatherError(
+                    f"optimizer param group {g} holds a parameter that is not in the model "
+                    f"(shape {tuple(p.shape)}); build the optimizer from model.parameters()"
+                )
+            row.append(ref)
+        out.append(row)
+    return out
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = True,
+    bucket_mb: float | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> dict[str, Any]:
+    """The full optimizer state, keyed by the plain model's parameter names.
+
+    Call on every rank. State tensors (``exp_avg``, ``momentum_buffer``...) are
+    gathered like their parameters (same plan, buckets and kernels); scalars such as
+    ``step`` are taken as they are. FSDP1 flat parameters are split back into the
+    original parameters.
+
+    Args:
+        model, optimizer: the (sharded) model and the optimizer built on its parameters.
+        rank0_only: only global rank 0 gets the dict (others ``{}``).
+        bucket_mb, timeout, transport: as for :func:`shardgather.full_state_dict`.
+
+    Returns:
+        ``{"state": {name: {state: value}}, "param_groups": [{..., "params": [name]}]}``.
+
+    Example:
+        >>> osd = shardgather.full_optim_state_dict(model, optimizer)
+    """
+    _verify_options(model, bucket_mb, None)
+    _verify_transport(transport, False)
+    plan = build_plan(model)
+    agree(plan, timeout)
+    refs = _param_refs(model, plan)
+    groups = _opt_refs(optimizer, refs)
+    flat_refs = [r for g in groups for r in g]
+    meta = _exchange_meta(flat_refs, optimizer)
+
+    # One synthetic plan for every element-wise state: sources mirror the params'.
+    entries: dict[str, Entry] = {}
+    sources: list[Source] = []
+    names = sorted({n for d in meta.values() for n, desc in d.items() if desc[0] == "elem"})
+    by_source: dict[int, list[_ParamRef]] = {}
+    for r in flat_refs:
+        by_source.setdefault(r.source.index, []).append(r)
+    for name in names:
+        for rs in by_source.values():
+            keys = [k for r in rs for k in r.keys if meta.get(k, {}).get(name, ("",))[0] == "elem"]
+            if not keys:
+                continue
+            dtype = getattr(torch, meta[keys[0]][name][1])
+            src0 = rs[0].source
+            state_src = Source(
+                index=len(sources),
+                group=src0.group,
+                world=src0.world,
+                rank=src0.rank,
+                row_numel=src0.row_numel,
+                dtype=dtype,
+                local=_row_builder(rs, name, optimizer, src0.row_numel, dtype),
+                group_ranks=src0.group_ranks,
+                description=f"{name} of {src0.description}",
+            )
+            sources.append(state_src)
+            for k in keys:
+                pe = plan.entries[k]
+                entries[f"{name}/{k}"] = Entry(
+                    f"{name}/{k}", pe.shape, pe.stride, dtype, state_src, pe.base
+                )
+    state_plan = GatherPlan(list(entries), entries, {}, sources, plan.rank, plan.world)
+    state_plan.fingerprint = _fingerprint(state_plan)
+    agree(state_plan, timeout)
+    gathered = gather_plan(
+        state_plan, rank0_only=rank0_only, bucket_mb=bucket_mb, timeout=timeout, transport=transport
+    )
+    if gathered is None:
+        return {}
+    state: dict[str, dict[str, Any]] = {}
+    for key in plan.keys:
+        primary = plan.aliases.get(key, key)
+        if primary not in meta or key != primary:
+            continue
+        st: dict[str, Any] = {}
+        for name, desc in sorted(meta[primary].items()):
+            st[name] = gathered[f"{name}/{primary}"] if desc[0] == "elem" else _clone(desc[1])
+        state[key] = st
+    param_groups = []
+    for group, rs in zip(optimizer.param_groups, groups):
+        pg = {k: v for k, v in group.items() if k != "params"}
+        pg["params"] = [k for r in rs for k in r.keys]
+        param_groups.append(pg)
+    return {"state": state, "param_groups": param_groups}
+
+
+def _clone(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _row_builder(
+    rs: list[_ParamRef],
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    row_numel: int,
+    dtype: torch.dtype,
+):  # type: ignore[no-untyped-def]
+    def build() -> torch.Tensor:
+        if rs[0].kind != "orig":
+            st = optimizer.state.get(rs[0].param, {})
+            v = st.get(name)
+            if v is None:  # no state on this rank: its row is never read
+                return torch.zeros(0, dtype=dtype)
+            return _local_row(rs[0], v)
+        # use_orig_params: assemble the flat row from each param's piece of the shard.
+        row = torch.zeros(row_numel, dtype=dtype)
+        for r in rs:
+            v = optimizer.state.get(r.param, {}).get(name)
+            if v is not None and v.numel() > 0:
+                row[r.shard_offset : r.shard_offset + v.numel()] = v.detach().reshape(-1)
+        return row
+
+    return build
+
+
+def load_full_optim_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    osd: dict[str, Any],
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Load a full optimizer state (from :func:`full_optim_state_dict`, any world size
+    or FSDP flavour) into ``optimizer``: each rank keeps only its shard of every state
+    tensor. ``osd`` on every rank, or on rank 0 only (``{}`` elsewhere: broadcast).
+
+    Raises:
+        StateDictMismatchError: the param groups or parameter names do not match;
+            nothing is loaded.
+    """
+    plan = build_plan(model)
+    agree(plan, timeout)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        has = [bool(osd)]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, has[0])
+        if not all(everyone):
+            box = [osd if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            osd = box[0]
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ShardGatherError(
+            "osd must be a dict with 'state' and 'param_groups' "
+            "(from shardgather.full_optim_state_dict)"
+        )
+    refs = _param_refs(model, plan)
+    groups = _opt_refs(optimizer, refs)
+    saved_groups = osd["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise StateDictMismatchError(
+            f"the optimizer has {len(groups)} param groups, the checkpoint {len(saved_groups)}; "
+            "build the optimizer with the same groups as when it was saved"
+        )
+    for g, (rs, saved) in enumerate(zip(groups, saved_groups)):
+        mine = [k for r in rs for k in r.keys]
+        if set(mine) != set(saved["params"]):
+            raise StateDictMismatchError(
+                f"param group {g}: missing {sorted(set(mine) - set(saved['params']))}, "
+                f"unexpected {sorted(set(saved['params']) - set(mine))}",
+                sorted(set(mine) - set(saved["params"])),
+                sorted(set(saved["params"]) - set(mine)),
+            )
+    state: dict[int, dict[str, Any]] = {}
+    out_groups = []
+    idx = 0
+    for rs, saved in zip(groups, saved_groups):
+        ids = []
+        for r in rs:
+            st = _local_state(r, plan, osd["state"])
+            if st:
+                state[idx] = st
+            ids.append(idx)
+            idx += 1
+        pg = {k: v for k, v in saved.items() if k != "params"}
+        pg["params"] = ids
+        out_groups.append(pg)
+    optimizer.load_state_dict({"state": state, "param_groups": out_groups})
+
+
+def _local_state(r: _ParamRef, plan: GatherPlan, full_state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shard of every state value of one optimizer parameter."""
+    if r.kind == "orig" and r.param.numel() == 0:
+        return {}  # as torch leaves it: no elements here, no state
+    per_key = [full_state.get(k, {}) for k in r.keys]
+    names = sorted({n for st in per_key for n in st})
+    out: dict[str, Any] = {}
+    src = r.source
+    for name in names:
+        vals = [st.get(name) for st in per_key]
+        v0 = next(v for v in vals if v is not None)
+        full_elem = (
+            isinstance(v0, torch.Tensor)
+            and v0.dim() > 0
+            and tuple(v0.shape) == tuple(plan.entries[r.keys[0]].shape)
+        )
+        if not full_elem:
+            out[name] = _clone(v0)
+            continue
+        dtype = v0.dtype
+        row = torch.zeros(src.row_numel, dtype=dtype)
+        fulls, segs = [], []
+        for k, v in zip(r.keys, vals):
+            if v is None:
+                continue
+            e = plan.entries[k]
+            laid = (
+                v
+                if e.is_contiguous
+                else torch.empty_strided(tuple(e.shape), e.stride, dtype=v.dtype).copy_(v)
+            )
+            fulls.append(_memory_order_flat(laid.contiguous() if e.is_contiguous else laid))
+            segs.append(
+                L.Segment(
+                    e.base,
+                    src.row_numel,
+                    0,
+                    e.numel,
+                    len(fulls) - 1,
+                    0,
+                    L.kind_of(dtype),
+                    L.kind_of(v.dtype),
+                )
+            )
+        rows = row.view(torch.uint8).view(1, -1)
+        _ops.copy_in(fulls, L.segment_table(segs), rows, src.rank)
+        out[name] = _shape_like(r, row)
+    return out
+
+
+def _shape_like(r: _ParamRef, row: torch.Tensor) -> Any:
+    p = r.param
+    if r.kind == "flat":
+        return row
+    if r.kind == "orig":
+        n = p.numel()
+        return row[r.shard_offset : r.shard_offset + n].clone().reshape(p.shape)
+    if r.kind == "fsdp2":
+        from torch.distributed.tensor import DTensor
+
+        local_shape = p.to_local().shape
+        local = row[: math.prod(local_shape)].clone().reshape(local_shape).to(p.device)
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return row.clone().as_strided(p.shape, p.stride()) if p.dim() else row.clone().reshape(())
