@@ -36,3 +36,7 @@ __all__ += ["LoadResult", "load_file", "load_full_state_dict", "save_full_state_
 from .optim import full_optim_state_dict, load_full_optim_state_dict  # noqa: E402
 
 __all__ += ["full_optim_state_dict", "load_full_optim_state_dict"]
+
+from .resume import load_checkpoint, save_checkpoint  # noqa: E402
+
+__all__ += ["load_checkpoint", "save_checkpoint"]

@@ -124,13 +124,18 @@ def _align(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
 
 
-def shm_layout(plan: GatherPlan) -> tuple[dict[str, int], int]:
-    """Byte offset of every primary entry in the shared region, and its size."""
-    offsets, pos = {}, 0
+def shm_layout(
+    plan: GatherPlan,
+) -> tuple[dict[str, tuple[torch.dtype, int]], dict[torch.dtype, int]]:
+    """Where every primary entry lives: one region per output dtype (torch.save refuses
+    views of one storage as different dtypes), and each region's size in bytes."""
+    offsets: dict[str, tuple[torch.dtype, int]] = {}
+    sizes: dict[torch.dtype, int] = {}
     for key, e in plan.entries.items():
-        offsets[key] = pos
-        pos = _align(pos + e.nbytes)
-    return offsets, max(pos, 1)
+        pos = sizes.get(e.target_dtype, 0)
+        offsets[key] = (e.target_dtype, pos)
+        sizes[e.target_dtype] = _align(pos + e.nbytes)
+    return offsets, {dt: max(n, 64) for dt, n in sizes.items()}
 
 
 def gather_to_shm(
@@ -140,53 +145,66 @@ def gather_to_shm(
     timeout: datetime.timedelta,
     agree_ok: Callable[[bool, str], list[str]],
 ) -> dict[str, torch.Tensor] | None:
-    """Every participating rank writes its pieces into one /dev/shm region that rank 0
-    maps; returns rank 0's output tensors (views of the region), None elsewhere.
+    """Every participating rank writes its pieces into /dev/shm regions (one per dtype)
+    that rank 0 maps; returns rank 0's output tensors (views of them), None elsewhere.
 
-    The region is unlinked as soon as every rank has opened it, so nothing is left
-    in /dev/shm even if a rank dies; it is freed when the last output view dies.
+    The regions are unlinked as soon as every rank has opened them, so nothing is left
+    in /dev/shm even if a rank dies; each is freed when its last output view dies.
     """
     rank = plan.rank
-    offsets, total = shm_layout(plan)
-    name = [f"{SHM_DIR}/shardgather-{uuid.uuid4().hex}" if rank == 0 else ""]
-    fd = -1
+    offsets, sizes = shm_layout(plan)
+    dtypes = list(sizes)
+    tag = uuid.uuid4().hex
+    names = [[f"{SHM_DIR}/shardgather-{tag}-{i}" for i in range(len(dtypes))] if rank == 0 else []]
+    fds: dict[torch.dtype, int] = {}
     error = ""
     if rank == 0:
-        fd = os.open(name[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, total)
-        except OSError as exc:
-            error = f"cannot size {name[0]} to {total} bytes: {exc}"
+        for dt, name in zip(dtypes, names[0]):
+            fds[dt] = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fds[dt], sizes[dt])
+            except OSError as exc:
+                error = f"cannot size {name} to {sizes[dt]} bytes: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(names, src=0)
         if rank != 0:
             try:
-                fd = os.open(name[0], os.O_WRONLY)
+                for dt, name in zip(dtypes, names[0]):
+                    fds[dt] = os.open(name, os.O_WRONLY)
             except OSError as exc:
-                error = f"cannot open {name[0]}: {exc}"
+                error = f"cannot open {name}: {exc}"
         dist.barrier()
-    region: torch.Tensor | None = None
+    regions: dict[torch.dtype, torch.Tensor] = {}
     try:
         if rank == 0:
-            # Everyone has it open: unlink now, the mapping and fds keep it alive.
-            region = torch.from_file(
-                f"/proc/self/fd/{fd}", shared=True, size=total, dtype=torch.uint8
-            )
-            os.unlink(name[0])
+            # Everyone has them open: unlink now, the mappings and fds keep them alive.
+            for dt, name in zip(dtypes, names[0]):
+                regions[dt] = torch.from_file(
+                    f"/proc/self/fd/{fds[dt]}", shared=True, size=sizes[dt] // dt.itemsize, dtype=dt
+                )
+                os.unlink(name)
         if not error:
             try:
-                write_pieces(fd, my_pieces(plan, participating), lambda e: offsets[e.key])
+                pieces = my_pieces(plan, participating)
+                for dt, fd in fds.items():
+                    write_pieces(
+                        fd,
+                        [pc for pc in pieces if pc.entry.target_dtype == dt],
+                        lambda e: offsets[e.key][1],
+                    )
                 if rank == 0:
                     for key, e in plan.entries.items():
                         if e.source.group is None:
-                            copy_local(e.source.local(), e, _view(region, offsets[key], e))
+                            copy_local(e.source.local(), e, _view(regions, offsets[key], e))
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"
     finally:
-        if fd >= 0:
+        for fd in fds.values():
             os.close(fd)
-        if rank == 0 and os.path.exists(name[0]):
-            os.unlink(name[0])
+        if rank == 0:
+            for name in names[0]:
+                if os.path.exists(name):
+                    os.unlink(name)
     failures = agree_ok(not error, error)
     if failures:
         from .errors import CollectiveError
@@ -194,12 +212,15 @@ def gather_to_shm(
         raise CollectiveError("node-local gather failed: " + "; ".join(failures))
     if rank != 0:
         return None
-    assert region is not None
-    return {key: _view(region, offsets[key], e) for key, e in plan.entries.items()}
+    return {key: _view(regions, offsets[key], e) for key, e in plan.entries.items()}
 
 
-def _view(region: torch.Tensor, offset: int, e: Entry) -> torch.Tensor:
-    flat = region[offset : offset + e.nbytes].view(e.target_dtype)
+def _view(
+    regions: dict[torch.dtype, torch.Tensor], where: tuple[torch.dtype, int], e: Entry
+) -> torch.Tensor:
+    dt, offset = where
+    start = offset // dt.itemsize
+    flat = regions[dt][start : start + e.numel]
     if e.is_contiguous:
         return flat.view(tuple(e.shape))
     return flat.as_strided(tuple(e.shape), e.stride)

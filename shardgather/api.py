@@ -186,7 +186,7 @@ def gather_plan(
         transport,
         rank0_only,
         need_contiguous=False,
-        shm_bytes=_node_local.shm_layout(plan)[1],
+        shm_bytes=sum(_node_local.shm_layout(plan)[1].values()),
     ):
         return _node_local.gather_to_shm(
             plan, lambda i: 0 in plan.sources[i].group_ranks, _copy_local, timeout, _all_ok

@@ -89,8 +89,31 @@ def save_full_state_dict(
     ):
         raise ShardGatherError("metadata must be a dict of str -> str (safetensors' rule)")
     plan = build_plan(model, dtype=dtype)
-    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
     agree(plan, timeout)
+    save_plan(
+        plan,
+        path,
+        metadata=metadata,
+        bucket_mb=bucket_mb,
+        progress=progress,
+        timeout=timeout,
+        transport=transport,
+    )
+
+
+def save_plan(
+    plan: GatherPlan,
+    path: str | os.PathLike,
+    *,
+    metadata: dict[str, str] | None = None,
+    bucket_mb: float | None = None,
+    progress: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> None:
+    """Stream an agreed plan's entries to one safetensors file, atomically (the engine
+    behind save_full_state_dict; optimizer state uses it too)."""
+    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
     parallel = _node_local.choose(plan, transport, True, need_contiguous=True, shm_bytes=None)
     final = os.path.abspath(os.fspath(path))
     writer = plan.rank == 0

@@ -168,6 +168,43 @@ def full_optim_state_dict(
     """
     _verify_options(model, bucket_mb, None)
     _verify_transport(transport, False)
+    st = state_plan(model, optimizer, timeout)
+    gathered = gather_plan(
+        st.plan, rank0_only=rank0_only, bucket_mb=bucket_mb, timeout=timeout, transport=transport
+    )
+    if gathered is None:
+        return {}
+    return st.assemble(gathered)
+
+
+@dataclass
+class StatePlan:
+    """The optimizer state as a gather plan: one entry per (state name, parameter)."""
+
+    model_plan: GatherPlan
+    plan: GatherPlan  # entries keyed "name/param_key"
+    meta: dict[str, dict[str, tuple]]  # key -> state name -> ("elem", dtype) | ("scalar", v)
+    param_groups: list[dict[str, Any]]  # "params" are clean names
+
+    def assemble(self, gathered: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The full optimizer state dict from the gathered element-wise tensors."""
+        state: dict[str, dict[str, Any]] = {}
+        for key in self.model_plan.keys:
+            if key in self.model_plan.aliases or key not in self.meta:
+                continue
+            state[key] = {
+                name: gathered[f"{name}/{key}"] if desc[0] == "elem" else _clone(desc[1])
+                for name, desc in sorted(self.meta[key].items())
+            }
+        return {"state": state, "param_groups": [dict(g) for g in self.param_groups]}
+
+
+def state_plan(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> StatePlan:
+    """Build and agree on the optimizer-state plan (collective: call on every rank)."""
     plan = build_plan(model)
     agree(plan, timeout)
     refs = _param_refs(model, plan)
@@ -206,29 +243,15 @@ def full_optim_state_dict(
                 entries[f"{name}/{k}"] = Entry(
                     f"{name}/{k}", pe.shape, pe.stride, dtype, state_src, pe.base
                 )
-    state_plan = GatherPlan(list(entries), entries, {}, sources, plan.rank, plan.world)
-    state_plan.fingerprint = _fingerprint(state_plan)
-    agree(state_plan, timeout)
-    gathered = gather_plan(
-        state_plan, rank0_only=rank0_only, bucket_mb=bucket_mb, timeout=timeout, transport=transport
-    )
-    if gathered is None:
-        return {}
-    state: dict[str, dict[str, Any]] = {}
-    for key in plan.keys:
-        primary = plan.aliases.get(key, key)
-        if primary not in meta or key != primary:
-            continue
-        st: dict[str, Any] = {}
-        for name, desc in sorted(meta[primary].items()):
-            st[name] = gathered[f"{name}/{primary}"] if desc[0] == "elem" else _clone(desc[1])
-        state[key] = st
+    splan = GatherPlan(list(entries), entries, {}, sources, plan.rank, plan.world)
+    splan.fingerprint = _fingerprint(splan)
+    agree(splan, timeout)
     param_groups = []
     for group, rs in zip(optimizer.param_groups, groups):
         pg = {k: v for k, v in group.items() if k != "params"}
         pg["params"] = [k for r in rs for k in r.keys]
         param_groups.append(pg)
-    return {"state": state, "param_groups": param_groups}
+    return StatePlan(plan, splan, meta, param_groups)
 
 
 def _clone(v: Any) -> Any:

@@ -83,3 +83,19 @@ def train_steps(
         loss.backward()
         opt.step()
     return float(loss)
+
+
+def make_optimizer(model: nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
+    """Two param groups with different learning rates: the blocks, and the rest."""
+    from shardgather import clean_fqn
+
+    blocks, rest = [], []
+    for n, p in model.named_parameters():
+        (blocks if clean_fqn(n).startswith("blocks.") else rest).append(p)
+    groups = [{"params": blocks, "lr": 1e-2}, {"params": rest, "lr": 5e-3}]
+    groups = [g for g in groups if g["params"]]
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=1e-2)
+    return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)

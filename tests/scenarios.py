@@ -17,7 +17,7 @@ from torch import nn
 import shardgather as sg
 
 from .compare import diff_state_dicts
-from .models import Block, ConvNet, TinyLM, train_steps
+from .models import Block, ConvNet, TinyLM, make_optimizer, train_steps
 
 FSDP1_CASES = {
     # id: (world, kwargs)
@@ -581,19 +581,6 @@ OPTIM_CASES = {
 }
 
 
-def _make_opt(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    """Two param groups with different learning rates."""
-    params = list(model.parameters())
-    half = max(1, len(params) // 2)
-    groups = [{"params": params[:half], "lr": 1e-2}, {"params": params[half:], "lr": 5e-3}]
-    groups = [g for g in groups if g["params"]]
-    if name == "adamw":
-        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
-    if name == "adam":
-        return torch.optim.Adam(groups, lr=1e-2)
-    return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
-
-
 def _same_osd(got: dict, want: dict, exact: bool) -> list[str]:  # type: ignore[type-arg]
     problems = []
     if set(got["state"]) != set(want["state"]):
@@ -627,7 +614,7 @@ def optim_resume(rank: int, world: int, path: str, case: str) -> dict:  # type: 
     exact = save_kind == resume_kind
     n, m = 2, 2
     a, _ = _build(save_kind, world, seed=0)
-    oa = _make_opt(a, opt_name)
+    oa = make_optimizer(a, opt_name)
     train_steps(a, rank, n + m, oa)
     a_sd = sg.full_state_dict(a)
     a_osd = sg.full_optim_state_dict(a, oa)
@@ -647,7 +634,7 @@ def optim_resume(rank: int, world: int, path: str, case: str) -> dict:  # type: 
     del a, oa
 
     b, _ = _build(save_kind, world, seed=0)
-    ob = _make_opt(b, opt_name)
+    ob = make_optimizer(b, opt_name)
     train_steps(b, rank, n, ob)
     sg.save_full_state_dict(b, path)
     osd = sg.full_optim_state_dict(b, ob)  # rank 0 only: loading broadcasts it
@@ -655,7 +642,7 @@ def optim_resume(rank: int, world: int, path: str, case: str) -> dict:  # type: 
     del b, ob
 
     c, _ = _build(resume_kind, world, seed=1)
-    oc = _make_opt(c, opt_name)
+    oc = make_optimizer(c, opt_name)
     sg.load_full_state_dict(c, path)
     sg.load_full_optim_state_dict(c, oc, osd)
     loss_at_resume = _eval_loss(c, rank, n)
@@ -691,7 +678,7 @@ def _eval_loss(model: nn.Module, rank: int, step: int) -> float:
 def optim_edge_cases(rank: int, world: int) -> dict:  # type: ignore[type-arg]
     """Before the first step: an empty state that loads; a mismatched checkpoint fails."""
     model, _ = _build("fsdp2", world, seed=0)
-    opt = _make_opt(model, "adamw")
+    opt = make_optimizer(model, "adamw")
     osd = sg.full_optim_state_dict(model, opt, rank0_only=False)
     out: dict = {"empty_state": osd["state"] == {}, "groups": len(osd["param_groups"])}
     sg.load_full_optim_state_dict(model, opt, osd)
@@ -705,3 +692,32 @@ def optim_edge_cases(rank: int, world: int) -> dict:  # type: ignore[type-arg]
     except sg.StateDictMismatchError as exc:
         out["mismatch"] = str(exc)
     return out
+
+
+def ckpt_save(rank: int, world: int, path: str, kind: str) -> dict:  # type: ignore[type-arg]
+    """Train, save_checkpoint; return (rank 0) what was saved, for the loading side."""
+    model, _ = _build(kind, world, seed=0)
+    opt = make_optimizer(model, "adamw")
+    train_steps(model, rank, 2, opt)
+    sg.save_checkpoint(path, model, opt, extra={"step": 2, "note": "hi"})
+    sd = sg.full_state_dict(model)
+    osd = sg.full_optim_state_dict(model, opt)
+    return {"sd": sd, "osd": osd}
+
+
+def ckpt_load(rank: int, world: int, path: str, kind: str, saved_path: str) -> dict:  # type: ignore[type-arg]
+    """A fresh model at another world size/flavour loads the checkpoint and trains on."""
+    saved = torch.load(saved_path, weights_only=False)
+    model, _ = _build(kind, world, seed=1)
+    opt = make_optimizer(model, "adamw")
+    extra = sg.load_checkpoint(path, model, opt)
+    sd = sg.full_state_dict(model)
+    osd = sg.full_optim_state_dict(model, opt)
+    problems: list[str] = []
+    if rank == 0:
+        problems += ["model: " + p for p in diff_state_dicts(sd, saved["sd"], order=False)]
+        problems += ["optim: " + p for p in _same_osd(osd, saved["osd"], exact=True)]
+        if extra != {"step": 2, "note": "hi"}:
+            problems.append(f"extra {extra}")
+    train_steps(model, rank, 1, opt, start=2)
+    return {"problems": problems}
