@@ -34,8 +34,12 @@ from shardgather.testing import Block, build_gpt
 
 
 def _nbytes(sd: dict) -> int:
+    if "state" in sd and "param_groups" in sd:  # an optimizer state dict
+        return sum(_nbytes(st) for st in sd["state"].values())
     seen, total = set(), 0
     for v in sd.values():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            continue
         if v.data_ptr() not in seen:
             seen.add(v.data_ptr())
             total += v.numel() * v.element_size()
@@ -114,6 +118,35 @@ def _methods(kind: str, model: nn.Module, files: str, ops: set[str]) -> dict:
         set_model_state_dict(model, sd, options=opts)
 
     out: dict = {}
+    if "optim" in ops and kind == "fsdp2":
+        # One AdamW step so that the state exists (2x the model). FSDP2 only: on FSDP1
+        # torch's CPU path returns exp_avg == exp_avg_sq (DESIGN.md section 5).
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p) * 1e-3
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+        def optim_same(got: dict, ref: dict) -> bool:
+            if rank != 0:
+                return True
+            mine = sg.full_optim_state_dict(model, opt)
+            return all(
+                torch.equal(mine["state"][k][n], v)
+                for k, st in got["state"].items()
+                for n, v in st.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            )
+
+        out["optim: shardgather"] = (lambda: sg.full_optim_state_dict(model, opt), None)
+        out["optim: torch get_optimizer_state_dict"] = (
+            lambda: get_optimizer_state_dict(
+                model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            ),
+            optim_same,
+        )
     if "gather" in ops:
         out["gather: shardgather"] = (lambda: sg.full_state_dict(model), same)
         if kind == "fsdp1":
@@ -280,7 +313,10 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--fsdp", nargs="+", default=["fsdp1", "fsdp2"], choices=["fsdp1", "fsdp2"])
     ap.add_argument(
-        "--ops", nargs="+", default=["gather", "save", "load"], choices=["gather", "save", "load"]
+        "--ops",
+        nargs="+",
+        default=["gather", "save", "load"],
+        choices=["gather", "save", "load", "optim"],
     )
     ap.add_argument("--methods", nargs="*", default=None, help="substrings of method names")
     ap.add_argument("--repeats", type=int, default=3)

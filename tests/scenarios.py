@@ -169,6 +169,7 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         "before training: " + p
         for p in _check(rank, got, _expected(plain, opts["dtype"]), opts["rank0_only"])
     ]
+    problems += _serializable(got)
 
     if not kw.get("train", True):
         return {"problems": problems, "keys": len(got)}
@@ -204,6 +205,27 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
     # 3. Training continues bit-identically: one more step works and params still shard.
     train_steps(wrapped, rank, 1, opt)
     return {"problems": problems, "keys": len(got)}
+
+
+def _serializable(sd: dict) -> list[str]:  # type: ignore[type-arg]
+    """What users do next with the dict must work: torch.save and safetensors."""
+    import io
+
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    if not sd:
+        return []
+    problems = []
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    problems += ["torch.save round trip: " + p for p in diff_state_dicts(back, sd)]
+    untied = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    back = st_load(st_save({k: v.contiguous() for k, v in untied.items()}))
+    problems += ["safetensors round trip: " + p for p in diff_state_dicts(back, untied, order=False)]
+    return problems
 
 
 def fsdp1_channels_last(rank: int, world: int) -> dict:  # type: ignore[type-arg]
@@ -249,6 +271,7 @@ def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         "before training: " + p
         for p in _check(rank, got, _expected(plain, opts["dtype"]), opts["rank0_only"])
     ]
+    problems += _serializable(got)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     train_steps(model, rank, 2, opt)
