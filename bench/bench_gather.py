@@ -50,7 +50,7 @@ def _same(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k].cpu()) for k in b)
 
 
-def _methods(kind: str, model: nn.Module, files: str, ops: set[str]) -> dict:
+def _methods(kind: str, model: nn.Module, files: str, ops: set[str], ref_sd: dict) -> dict:
     """name -> (run, verify): run() returns a state dict or None; verify(result, ref)
     checks it against shardgather's full_state_dict on rank 0 (None: not checked)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -163,6 +163,11 @@ def _methods(kind: str, model: nn.Module, files: str, ops: set[str]) -> dict:
             file_equal,
         )
         out["save: torch full sd + torch.save"] = (torch_save, None)
+        floor_buf = torch.ones(_nbytes(ref_sd) if rank == 0 else 0, dtype=torch.uint8)
+        out["save: floor: rank 0 writes the same bytes once + fsync"] = (
+            lambda: _sequential_write(f"{files}/floor.bin", floor_buf),
+            None,
+        )
         out["save: torch full sd + safetensors"] = (torch_save_safetensors, None)
     if "load" in ops:
         out["load: shardgather <- safetensors"] = (
@@ -181,6 +186,17 @@ def _methods(kind: str, model: nn.Module, files: str, ops: set[str]) -> dict:
             gathered_equal,
         )
     return out
+
+
+def _sequential_write(path: str, buf: torch.Tensor) -> None:
+    """The disk's floor for a save: one ready buffer, one sequential write, fsync."""
+    if buf.numel():
+        with open(path, "wb") as f:
+            f.write(memoryview(buf.numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.unlink(path)
+    dist.barrier()
 
 
 def _shard(kind: str, model: nn.Module, device: torch.device, world: int) -> nn.Module:
@@ -262,10 +278,13 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
             trim()
             # The reference every method is checked against (kept on rank 0 only).
             ref_sd = sg.full_state_dict(model)
-            for name, (fn, verify) in _methods(kind, model, tmp, set(args.ops)).items():
+            for name, (fn, verify) in _methods(kind, model, tmp, set(args.ops), ref_sd).items():
                 if args.methods and not any(m in name for m in args.methods):
                     continue
                 results[f"{kind}/{name}"] = _measure(name, fn, verify, ref_sd, args.repeats, nccl)
+                if rank == 0:
+                    r = results[f"{kind}/{name}"]
+                    print(f"  {kind}/{name}: {r['time_s']:.3f} s", file=sys.stderr, flush=True)
             del model, ref_sd
             trim()
     except BaseException:

@@ -224,7 +224,9 @@ def _serializable(sd: dict) -> list[str]:  # type: ignore[type-arg]
     problems += ["torch.save round trip: " + p for p in diff_state_dicts(back, sd)]
     untied = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     back = st_load(st_save({k: v.contiguous() for k, v in untied.items()}))
-    problems += ["safetensors round trip: " + p for p in diff_state_dicts(back, untied, order=False)]
+    problems += [
+        "safetensors round trip: " + p for p in diff_state_dicts(back, untied, order=False)
+    ]
     return problems
 
 
