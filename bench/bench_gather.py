@@ -130,9 +130,9 @@ def _methods(kind: str, model: nn.Module, files: str, ops: set[str], ref_sd: dic
         opt.zero_grad(set_to_none=True)
 
         def optim_same(got: dict, ref: dict) -> bool:
+            mine = sg.full_optim_state_dict(model, opt)  # collective: every rank
             if rank != 0:
                 return True
-            mine = sg.full_optim_state_dict(model, opt)
             return all(
                 torch.equal(mine["state"][k][n], v)
                 for k, st in got["state"].items()

@@ -14,6 +14,7 @@ GB/s counts output bytes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -113,8 +114,8 @@ def run_case(
                 o.copy_(pb.view(-1)[:n])  # FSDP2 then narrows the padding off
 
         try:
-            import torch.distributed.fsdp._fully_shard._fsdp_collectives
-
+            # Importing FSDP2's collectives registers torch.ops.fsdp.split_with_sizes_copy.
+            importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_collectives")
             res["torch split_with_sizes_copy + unpad"] = timeit(fsdp2_copy_out, device)
         except (AttributeError, ImportError, RuntimeError):
             pass

@@ -72,15 +72,18 @@ def plot(runs: list[dict], path: Path) -> None:
             style = {"lw": 2.5} if "shardgather" in label else {"ls": "--"}
             axes[0][col].plot(sizes, [x["time_s"] for x in rows], marker="o", label=label, **style)
             for rank in (0, 1):
+                # Rank 0 also counts the node's /dev/shm rise: the node-local output
+                # lives there, where no RSS shows it.
+                shm = [x.get("peak_shm_rise_node", 0) if rank == 0 else 0 for x in rows]
                 axes[1 + rank][col].plot(
                     sizes,
-                    [x["peak_rss_rise_per_rank"][rank] / 2**30 for x in rows],
+                    [(x["peak_rss_rise_per_rank"][rank] + m) / 2**30 for x, m in zip(rows, shm)],
                     marker="o",
                     label=label,
                     **style,
                 )
         axes[0][col].set_title(f"{op}: wall time")
-        axes[1][col].set_title(f"{op}: peak RSS rise, rank 0")
+        axes[1][col].set_title(f"{op}: peak RSS rise + /dev/shm rise, rank 0")
         axes[2][col].set_title(f"{op}: peak RSS rise, rank 1")
         axes[0][col].set_ylabel("seconds")
         axes[1][col].set_ylabel("GiB")
@@ -98,4 +101,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":
+        src = Path(sys.argv[2])
+        plot(json.loads(src.read_text())["runs"], src.with_suffix(".png"))
+    else:
+        main()

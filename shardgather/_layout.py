@@ -7,7 +7,7 @@ segment lives at ``flat = base + e``, ``row = flat // P``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,10 @@ class Segment:
     full_byte: int
     shard_kind: int
     full_kind: int
+
+    def with_dst(self, full_index: int, full_byte: int) -> Segment:
+        """The same segment, delivered to another full tensor / byte offset."""
+        return replace(self, full_index=full_index, full_byte=full_byte)
 
     def as_row(self) -> list[int]:
         return [

@@ -222,15 +222,16 @@ def gather_plan(
                 _copy_out_cuda(rows, parts, outputs, slot)
                 slot ^= 1
             else:
-                _copy_out_cpu(rows, parts, outputs)
+                _copy_out_direct(rows, parts, outputs)
             bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
     finally:
         bar.close()
     return outputs if receives else None
 
 
-def _copy_out_cpu(rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tensor]) -> None:
-    """One copy_out call per bucket, straight into the output tensors."""
+def _copy_out_direct(rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tensor]) -> None:
+    """One copy_out call per bucket, straight into the output tensors (CPU outputs from
+    CPU rows; pinned outputs, through their mapped addresses, from CUDA rows)."""
     fulls: list[torch.Tensor] = []
     index: dict[str, int] = {}
     segs: list[L.Segment] = []
@@ -238,23 +239,8 @@ def _copy_out_cpu(rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tens
         if p.entry.key not in index:
             index[p.entry.key] = len(fulls)
             fulls.append(_memory_order_flat(outputs[p.entry.key]))
-        segs.append(
-            _with_dst(p.segment, index[p.entry.key], p.start * p.entry.target_dtype.itemsize)
-        )
+        segs.append(p.segment.with_dst(index[p.entry.key], p.start * p.entry.target_dtype.itemsize))
     _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
-
-
-def _with_dst(seg: L.Segment, full_index: int, full_byte: int) -> L.Segment:
-    return L.Segment(
-        seg.base,
-        seg.row_numel,
-        seg.col_byte,
-        seg.numel,
-        full_index,
-        full_byte,
-        seg.shard_kind,
-        seg.full_kind,
-    )
 
 
 def _copy_local(src: torch.Tensor, e: Any, out: torch.Tensor) -> None:
@@ -280,19 +266,8 @@ def _copy_out_cuda(
     Pinned outputs are written directly; pageable ones through a reused pinned slab
     and a host memcpy once the kernel is done.
     """
-    direct = all(outputs[p.entry.key].is_pinned() for p in parts)
-    if direct:
-        fulls: list[torch.Tensor] = []
-        index: dict[str, int] = {}
-        segs: list[L.Segment] = []
-        for p in parts:
-            if p.entry.key not in index:
-                index[p.entry.key] = len(fulls)
-                fulls.append(_memory_order_flat(outputs[p.entry.key]))
-            segs.append(
-                _with_dst(p.segment, index[p.entry.key], p.start * p.entry.target_dtype.itemsize)
-            )
-        _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
+    if all(outputs[p.entry.key].is_pinned() for p in parts):
+        _copy_out_direct(rows, parts, outputs)
         torch.cuda.current_stream().synchronize()
         return
     sizes = [p.numel * p.entry.target_dtype.itemsize for p in parts]
@@ -303,7 +278,7 @@ def _copy_out_cuda(
     for p, n in zip(parts, sizes):
         off = (off + 15) // 16 * 16
         offsets.append(off)
-        segs.append(_with_dst(p.segment, 0, off))
+        segs.append(p.segment.with_dst(0, off))
         off += n
     _ops.copy_out(rows, 0, L.segment_table(segs), [staging])
     torch.cuda.current_stream().synchronize()

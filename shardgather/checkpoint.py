@@ -270,7 +270,7 @@ class _FileSink:
                 self._write_strided(rows, p)
                 continue
             off = (off + size - 1) // size * size
-            segs.append(_dst(p.segment, 0, off))
+            segs.append(p.segment.with_dst(0, off))
             writes.append((off, self.offsets[e.key] + p.start * size, p.numel * size))
             off += p.numel * size
         if self.slab.numel() < off:
@@ -286,25 +286,12 @@ class _FileSink:
             t = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
             self.pending[e.key] = (t, [e.numel])
         t, left = self.pending[e.key]
-        seg = _dst(p.segment, 0, p.start * e.target_dtype.itemsize)
+        seg = p.segment.with_dst(0, p.start * e.target_dtype.itemsize)
         _ops.copy_out(rows, 0, L.segment_table([seg]), [_memory_order_flat(t)])
         left[0] -= p.numel
         if left[0] == 0:
             pwrite_from(self.fd, t.contiguous().reshape(-1).view(torch.uint8), self.offsets[e.key])
             del self.pending[e.key]
-
-
-def _dst(seg: L.Segment, full_index: int, full_byte: int) -> L.Segment:
-    return L.Segment(
-        seg.base,
-        seg.row_numel,
-        seg.col_byte,
-        seg.numel,
-        full_index,
-        full_byte,
-        seg.shard_kind,
-        seg.full_kind,
-    )
 
 
 def _coalesce(writes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
