@@ -13,7 +13,8 @@ namespace shardgather {
 at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t first_row,
                               const at::Tensor& segments, at::TensorList fulls,
                               bool (*full_device_ok)(const at::Tensor& full,
-                                                     const at::Tensor& shards)) {
+                                                     const at::Tensor& shards),
+                              int64_t threads) {
   SG_CHECK_DTYPE(op, shards, at::kByte);
   SG_CHECK_DIM(op, shards, 2);
   SG_CHECK_CONTIGUOUS(op, shards);
@@ -39,7 +40,11 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
 
   const int64_t num_segments = segments.size(0);
   const int64_t* seg = segments.data_ptr<int64_t>();
-  std::vector<int64_t> runs;
+  struct Range {
+    int64_t segment, lo, hi;
+  };
+  std::vector<Range> ranges;
+  int64_t total_bytes = 0;
   for (int64_t s = 0; s < num_segments; ++s, seg += kSegmentCols) {
     const int64_t base = seg[kBase], row_numel = seg[kRowNumel], col_byte = seg[kColByte],
                   numel = seg[kNumel], full_index = seg[kFullIndex], full_byte = seg[kFullByte],
@@ -79,9 +84,24 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
 
     int64_t lo = 0, hi = 0;
     elems_in_rows(base, row_numel, numel, first_row, rows, &lo, &hi);
-    const int64_t max_run = std::max<int64_t>(1, kMaxRunBytes / std::max(shard_size, full_size));
+    if (hi > lo) {
+      ranges.push_back({s, lo, hi});
+      total_bytes += (hi - lo) * std::max(shard_size, full_size);
+    }
+  }
+  // CPU (threads > 0): as few runs as keep every thread busy, since large memcpys
+  // stream (non-temporal stores) where small ones pay for reading the destination.
+  // CUDA (threads == 0): fixed small runs, one block each.
+  const int64_t max_run_bytes =
+      threads > 0 ? std::max(kMaxRunBytes, (total_bytes + 2 * threads - 1) / (2 * threads))
+                  : kMaxRunBytes;
+  std::vector<int64_t> runs;
+  for (const auto& [s, lo, hi] : ranges) {
+    const int64_t* sg = segments.data_ptr<int64_t>() + s * kSegmentCols;
+    const int64_t size = std::max(elem_size(sg[kShardKind]), elem_size(sg[kFullKind]));
+    const int64_t max_run = std::max<int64_t>(1, max_run_bytes / size);
     for (int64_t e = lo; e < hi;) {
-      const int64_t n = std::min(run_in_row(base, row_numel, e, hi), max_run);
+      const int64_t n = std::min(run_in_row(sg[kBase], sg[kRowNumel], e, hi), max_run);
       runs.push_back(s);
       runs.push_back(e);
       runs.push_back(n);

@@ -13,12 +13,14 @@ namespace shardgather {
 //   segments: int64 `[S, kSegmentCols]`, contiguous, on the CPU
 //   fulls:    contiguous tensors addressed by the segments' kFullIndex / kFullByte
 // `full_device_ok(t)` decides whether a full tensor's device may be used with `shards`.
+// `threads` > 0 (CPU): runs sized to keep that many threads busy; 0 (CUDA): small runs.
 at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t first_row,
                               const at::Tensor& segments, at::TensorList fulls,
                               bool (*full_device_ok)(const at::Tensor& full,
-                                                     const at::Tensor& shards));
+                                                     const at::Tensor& shards),
+                              int64_t threads);
 
-// Upper bound on the bytes (full side) of one run: the grain of parallelism.
+// Bytes (full side) of one CUDA run, and the smallest CPU run.
 constexpr int64_t kMaxRunBytes = int64_t{1} << 18;
 
 }  // namespace shardgather

@@ -1,9 +1,6 @@
 // CPU kernels: one at::parallel_for over the runs of a call (never per segment).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <c10/util/TypeCast.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -15,23 +12,12 @@
 namespace shardgather {
 namespace {
 
-template <typename Dst, typename Src>
-void cast_run(const char* src, char* dst, int64_t n) {
-  const Src* s = reinterpret_cast<const Src*>(src);
-  Dst* d = reinterpret_cast<Dst*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    d[i] = c10::static_cast_with_inter_type<Dst, Src>::apply(s[i]);
-  }
-}
-
-// Calls f.template operator()<T>() with T the C++ type of a float kind.
-template <typename F>
-void float_kind_switch(int64_t kind, F&& f) {
+at::ScalarType float_kind_dtype(int64_t kind) {
   switch (kind) {
-    case kF16: f(c10::Half{}); break;
-    case kBF16: f(c10::BFloat16{}); break;
-    case kF32: f(float{}); break;
-    case kF64: f(double{}); break;
+    case kF16: return at::kHalf;
+    case kBF16: return at::kBFloat16;
+    case kF32: return at::kFloat;
+    case kF64: return at::kDouble;
     default: TORCH_INTERNAL_ASSERT(false, "not a float kind: ", kind);
   }
 }
@@ -41,9 +27,12 @@ void copy_elems(const char* src, int64_t src_kind, char* dst, int64_t dst_kind, 
     std::memcpy(dst, src, static_cast<size_t>(n * elem_size(src_kind)));
     return;
   }
-  float_kind_switch(src_kind, [&](auto s) {
-    float_kind_switch(dst_kind, [&](auto d) { cast_run<decltype(d), decltype(s)>(src, dst, n); });
-  });
+  // Casts go through ATen's own (vectorised) copy kernel on views of the run, so the
+  // bits are exactly Tensor.to's. Inside our parallel_for it runs single-threaded.
+  const at::Tensor s = at::from_blob(const_cast<char*>(src), {n},
+                                     at::TensorOptions().dtype(float_kind_dtype(src_kind)));
+  at::Tensor d = at::from_blob(dst, {n}, at::TensorOptions().dtype(float_kind_dtype(dst_kind)));
+  d.copy_(s);
 }
 
 bool cpu_full_ok(const at::Tensor& full, const at::Tensor& /*shards*/) {
@@ -54,7 +43,8 @@ bool cpu_full_ok(const at::Tensor& full, const at::Tensor& /*shards*/) {
 template <bool kOut>
 void copy_cpu(const char* op, const at::Tensor& shards, int64_t first_row,
               const at::Tensor& segments, at::TensorList fulls) {
-  const at::Tensor runs = validate_and_split(op, shards, first_row, segments, fulls, cpu_full_ok);
+  const at::Tensor runs = validate_and_split(op, shards, first_row, segments, fulls, cpu_full_ok,
+                                             at::get_num_threads());
   const int64_t num_runs = runs.size(0);
   if (num_runs == 0) {
     return;

@@ -116,7 +116,8 @@ void copy_cuda(const char* op, const at::Tensor& shards, int64_t first_row,
               ": argument 'shards' must be a CUDA tensor when any tensor is on CUDA, got ",
               shards.device());
   const c10::cuda::CUDAGuard guard(shards.device());
-  const at::Tensor runs = validate_and_split(op, shards, first_row, segments, fulls, cuda_full_ok);
+  const at::Tensor runs = validate_and_split(op, shards, first_row, segments, fulls, cuda_full_ok,
+                                             /*threads=*/0);
   const int64_t num_runs = runs.size(0);
   if (num_runs == 0) return;
   TORCH_CHECK(num_runs < (int64_t{1} << 31), "shardgather::", op, ": too many runs (", num_runs,
