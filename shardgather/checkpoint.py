@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -327,20 +328,36 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _validate(plan: GatherPlan, header: Header, strict: bool, path: str) -> LoadResult:
-    model_keys = plan.keys
-    file_keys = set(header.all_keys())
-    missing = [k for k in model_keys if k not in file_keys]
-    unexpected = sorted(file_keys - set(model_keys))
+def _validate(
+    plan: GatherPlan,
+    available: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    strict: bool,
+    what: str,
+) -> LoadResult:
+    """Compare the source's keys/shapes/dtypes with the model before touching anything.
+    A tied alias counts as present when its primary is (and vice versa)."""
+    have = set(available)
+    for alias, primary in plan.aliases.items():
+        if alias in have:
+            have.add(primary)
+        if primary in have:
+            have.add(alias)
+    missing = [k for k in plan.keys if k not in have]
+    unexpected = sorted(set(available) - set(plan.keys))
     mismatched: dict[str, str] = {}
     for key, e in plan.entries.items():
-        if key not in file_keys:
+        src_key = (
+            key
+            if key in available
+            else next((a for a, p in plan.aliases.items() if p == key and a in available), None)
+        )
+        if src_key is None:
             continue
-        t = header.resolve(key)
-        if tuple(t.shape) != tuple(e.shape):
-            mismatched[key] = f"shape {tuple(t.shape)} in file, {tuple(e.shape)} in model"
-        elif t.dtype != e.dtype and not (t.dtype.is_floating_point and e.dtype.is_floating_point):
-            mismatched[key] = f"dtype {t.dtype} in file, {e.dtype} in model (cannot cast)"
+        shape, dtype = available[src_key]
+        if tuple(shape) != tuple(e.shape):
+            mismatched[key] = f"shape {tuple(shape)} in source, {tuple(e.shape)} in model"
+        elif dtype != e.dtype and not (dtype.is_floating_point and e.dtype.is_floating_point):
+            mismatched[key] = f"dtype {dtype} in source, {e.dtype} in model (cannot cast)"
     if mismatched or (strict and (missing or unexpected)):
         parts = []
         if missing:
@@ -350,7 +367,7 @@ def _validate(plan: GatherPlan, header: Header, strict: bool, path: str) -> Load
         if mismatched:
             parts.append("mismatched " + "; ".join(f"{k}: {v}" for k, v in mismatched.items()))
         raise StateDictMismatchError(
-            f"{path} does not match the model: " + ", ".join(parts) + ". Nothing was loaded. "
+            f"{what} does not match the model: " + ", ".join(parts) + ". Nothing was loaded. "
             "Pass strict=False to load only the matching keys.",
             missing,
             unexpected,
@@ -370,42 +387,53 @@ def _local_row(e: Entry) -> tuple[torch.Tensor, int]:
 
 def load_full_state_dict(
     model: nn.Module,
-    source: str | os.PathLike,
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
     *,
     strict: bool = True,
     bucket_mb: float = 64,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> LoadResult:
-    """Load a full safetensors checkpoint into a (sharded) model, in place.
+    """Load a full state dict into a (sharded) model, in place, each rank taking only
+    its own elements.
 
-    Every rank reads only the byte ranges of its own shards (plus the small tensors
-    every rank holds in full, such as buffers), through a bounded staging buffer,
-    and the copy-in op writes them (cast where the file holds another float dtype)
-    into its local shard storage. No all-gather; peak extra host memory is one
-    staging buffer. The whole header is validated against the model first: on a
-    mismatch nothing is modified.
+    From a safetensors file every rank preads only the byte ranges of its own shards
+    (plus the small tensors every rank holds in full, such as buffers) through a
+    bounded staging buffer; a torch file is memory-mapped, so only the pages of a
+    rank's own elements are read; a dict is used where it is, or — when only rank 0
+    has it (``{}`` elsewhere) — sent one tensor at a time. The copy-in op writes the
+    elements (cast where the source holds another float dtype) into the local shard
+    storage. No all-gather. Keys and shapes are validated first: on a mismatch nothing
+    is modified.
 
     Args:
         model: plain, DDP, FSDP1 or FSDP2 model (the same kinds as full_state_dict).
-        source: path of a ``.safetensors`` file (e.g. from :func:`save_full_state_dict`).
+        source: a ``.safetensors`` path (e.g. from :func:`save_full_state_dict`), a
+            ``torch.save`` file (``.pt``/``.bin``; a nested ``state_dict``/``model`` dict
+            is found; wrapped key names are cleaned), or a dict of full tensors.
         strict: raise on missing/unexpected keys; False loads the intersection.
-        bucket_mb: staging buffer size for reads.
+        bucket_mb: staging buffer size for file reads.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` (clean names).
 
     Raises:
-        CheckpointError: missing, truncated, corrupt or non-safetensors file.
+        CheckpointError: missing, truncated, corrupt or unsupported file.
         StateDictMismatchError: keys (strict), shapes or non-castable dtypes differ.
     """
     _verify_options(model, bucket_mb, None)
-    path = os.fspath(source)
-    if not isinstance(source, (str, os.PathLike)):
-        raise ShardGatherError("source must be a path to a .safetensors file")
+    if not isinstance(source, (str, os.PathLike, Mapping)):
+        raise ShardGatherError(
+            f"source must be a file path or a dict of tensors, got {type(source).__name__}"
+        )
     plan = build_plan(model)
     agree(plan, timeout)
+    if isinstance(source, Mapping):
+        return _load_from_dict(plan, dict(source), strict, "the state dict")
+    path = os.fspath(source)
+    if not _looks_like_safetensors(path):
+        return _load_from_dict(plan, _torch_file(path), strict, path)
     header = read_header(path)
-    result = _validate(plan, header, strict, path)
+    result = _validate(plan, _header_shapes(header), strict, path)
     error = ""
     try:
         _read_own_bytes(plan, header, path, int(bucket_mb * 2**20))
@@ -415,6 +443,112 @@ def load_full_state_dict(
     if failures:
         raise CheckpointError(f"load_full_state_dict({path!r}) failed: " + "; ".join(failures))
     return result
+
+
+def _looks_like_safetensors(path: str) -> bool:
+    if path.endswith(".safetensors"):
+        return True
+    if path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return False
+    try:
+        read_header(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def _torch_file(path: str) -> dict[str, torch.Tensor]:
+    """A torch.save'd state dict, memory-mapped: only the pages a rank reads are loaded."""
+    from ._fqn import clean_fqn
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not a safetensors or torch checkpoint ({exc})") from exc
+    for nested in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and isinstance(obj.get(nested), dict):
+            obj = obj[nested]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a dict of tensors, got {type(obj).__name__}")
+    return {clean_fqn(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+
+
+def _header_shapes(header: Header) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (tuple(header.resolve(k).shape), header.resolve(k).dtype) for k in header.all_keys()}
+
+
+def _load_from_dict(
+    plan: GatherPlan, sd: dict[str, torch.Tensor], strict: bool, what: str
+) -> LoadResult:
+    """Every rank holds the dict (or rank 0 alone, then it is sent tensor by tensor)."""
+    everyone_has = True
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flags: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, bool(sd))
+        everyone_has = all(flags)
+        if not everyone_has and not flags[0]:
+            raise ShardGatherError("load_full_state_dict: rank 0 has no state dict to load")
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+    if not everyone_has:
+        box = [shapes if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        shapes = box[0]
+    result = _validate(plan, shapes, strict, what)
+    error = ""
+    try:
+        for key, e in plan.entries.items():
+            src_key = (
+                key
+                if key in shapes
+                else next((a for a, p in plan.aliases.items() if p == key and a in shapes), None)
+            )
+            if src_key is None:
+                continue
+            full = sd.get(src_key) if everyone_has else _receive(sd.get(src_key), shapes[src_key])
+            _copy_in_entry(e, full)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    failures = _all_ok(not error, error)
+    if failures:
+        raise CheckpointError(f"load_full_state_dict({what}) failed: " + "; ".join(failures))
+    return result
+
+
+def _receive(t: torch.Tensor | None, meta: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
+    """Rank 0's tensor on every rank (one tensor in flight: bounded memory)."""
+    shape, dtype = meta
+    nccl = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    if dist.get_rank() == 0:
+        assert t is not None
+        buf = t.detach().to(device).contiguous()
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(buf, src=0)
+    return buf
+
+
+def _copy_in_entry(e: Entry, full: torch.Tensor) -> None:
+    """This rank's elements of one entry, from a full tensor, into its shard storage."""
+    row, first_row = _local_row(e)
+    src = e.source
+    lo, hi = _elems_in_row(e.base, src.row_numel, e.numel, first_row)
+    if hi <= lo:
+        return
+    t = full.detach()
+    if not e.is_contiguous:
+        t = torch.empty_strided(tuple(e.shape), e.stride, dtype=t.dtype, device=t.device).copy_(t)
+    flat = _memory_order_flat(t.contiguous() if e.is_contiguous else t)[lo:hi]
+    if row.is_cuda:
+        flat = flat.to(row.device)
+    elif flat.device.type != "cpu":
+        flat = flat.cpu()
+    seg = L.Segment(
+        e.base + lo, src.row_numel, 0, hi - lo, 0, 0, L.kind_of(src.dtype), L.kind_of(flat.dtype)
+    )
+    _ops.copy_in([flat], L.segment_table([seg]), row, first_row)
 
 
 def _elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:

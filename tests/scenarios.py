@@ -746,3 +746,29 @@ def ckpt_load(rank: int, world: int, path: str, kind: str, saved_path: str) -> d
             problems.append(f"extra {extra}")
     train_steps(model, rank, 1, opt, start=2)
     return {"problems": problems}
+
+
+def load_sources(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """load_full_state_dict from a torch file (mmap), a dict on every rank, and a dict on
+    rank 0 only; each into a fresh FSDP model, bit-exact."""
+    saved, _ = _build("fsdp1", world, seed=0)
+    train_steps(saved, rank, 1, torch.optim.SGD(saved.parameters(), lr=0.1))
+    want = sg.full_state_dict(saved, rank0_only=False, transport="collective")
+    if rank == 0:
+        # As DDP users save it: wrapped names, which loading cleans.
+        torch.save({"state_dict": {"module." + k: v for k, v in want.items()}}, path)
+    dist.barrier()
+    problems: list[str] = []
+    for name, source in {
+        "torch file": path,
+        "dict on every rank": want,
+        "dict on rank 0 only": want if rank == 0 else {},
+    }.items():
+        model, _ = _build("fsdp2", world, seed=1)
+        res = sg.load_full_state_dict(model, source)
+        got = sg.full_state_dict(model)
+        if rank == 0:
+            problems += [f"{name}: " + p for p in diff_state_dicts(got, want, order=False)]
+            if res.missing_keys or res.unexpected_keys:
+                problems.append(f"{name}: {res}")
+    return {"problems": problems}

@@ -107,3 +107,9 @@ def test_shape_mismatch_names_the_key_and_changes_nothing(tmp_path) -> None:  # 
     with pytest.raises(sg.StateDictMismatchError, match=r"embed\.weight: shape \(37, 16\)"):
         sg.load_full_state_dict(model, path)
     assert not diff_state_dicts(model.state_dict(), before)
+
+
+def test_load_from_torch_file_and_dicts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run("tests.scenarios:load_sources", 2, path=str(tmp_path / "model.pt"))
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
