@@ -550,6 +550,16 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
         sg.load_full_state_dict(model, path, bucket_mb=bucket_mb)
     out["load_rise"] = m["peak_rise"]
     out["file_bytes"] = __import__("os").path.getsize(path)
+    # save_checkpoint with optimizer state (2x the model) stays within the same bound.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    trim()
+    with peak_rss_rise() as m:
+        sg.save_checkpoint(path + ".ckpt", model, opt)
+    out["checkpoint_rise"] = m["peak_rise"]
     return out
 
 
