@@ -244,6 +244,8 @@ def usable_for(plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool) -> 
     """Why the node-local transport cannot serve this call (None: it can)."""
     if not rank0_only:
         return "rank0_only=False"
+    if all(e.source.group is None for e in plan.entries.values()):
+        return "nothing is sharded"  # plain tensors: private memory, no /dev/shm
     for e in plan.entries.values():
         if e.source.group is None:
             continue
