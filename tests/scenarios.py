@@ -366,7 +366,7 @@ def rank_fails_midway(rank: int, world: int) -> dict:  # type: ignore[type-arg]
 def _build(kind: str, world: int, seed: int, tied: bool = True) -> tuple[nn.Module, nn.Module]:
     """(sharded model, plain twin) for save/load round trips."""
     torch.manual_seed(seed)
-    model = TinyLM(tied=tied)
+    model = TinyLM(tied=tied, frozen_bf16=kind.endswith("-frozen"))
     plain = copy.deepcopy(model)
     if kind.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -613,6 +613,8 @@ OPTIM_CASES = {
     "fsdp1_orig-world3-sgd_momentum": (3, "fsdp1-orig", "fsdp1-orig", "sgd"),
     "hsdp-adamw": (4, "fsdp2-hsdp", "fsdp2-hsdp", "adamw"),
     "fsdp1->fsdp2-adamw": (2, "fsdp1-orig", "fsdp2", "adamw"),
+    # A frozen bf16 parameter next to trainable fp32 ones: it has no optimizer state.
+    "fsdp2_frozen_bf16-adamw": (2, "fsdp2-frozen", "fsdp2-frozen", "adamw"),
 }
 
 
