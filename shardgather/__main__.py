@@ -41,16 +41,9 @@ def _is_safetensors(path: str) -> bool:
 
 
 def _torch_state_dict(path: str) -> dict[str, torch.Tensor]:
-    try:
-        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: not a safetensors or torch checkpoint ({exc})") from exc
-    for nested in ("state_dict", "model", "module"):
-        if isinstance(obj, dict) and isinstance(obj.get(nested), dict):
-            obj = obj[nested]
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: expected a dict of tensors, got {type(obj).__name__}")
-    return {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    from .checkpoint import _torch_file
+
+    return _torch_file(path, clean=False)
 
 
 def cmd_inspect(path: str) -> int:

@@ -457,8 +457,10 @@ def _looks_like_safetensors(path: str) -> bool:
         return False
 
 
-def _torch_file(path: str) -> dict[str, torch.Tensor]:
-    """A torch.save'd state dict, memory-mapped: only the pages a rank reads are loaded."""
+def _torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
+    """A torch.save'd state dict, memory-mapped: only the pages a rank reads are loaded.
+    A nested ``state_dict``/``model``/``module`` dict is found; ``clean`` strips wrapper
+    prefixes from the keys."""
     from ._fqn import clean_fqn
 
     if not os.path.isfile(path):
@@ -472,7 +474,9 @@ def _torch_file(path: str) -> dict[str, torch.Tensor]:
             obj = obj[nested]
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, got {type(obj).__name__}")
-    return {clean_fqn(k): v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    return {
+        (clean_fqn(k) if clean else k): v for k, v in obj.items() if isinstance(v, torch.Tensor)
+    }
 
 
 def _header_shapes(header: Header) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
