@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ._fqn import FLAT_PARAM_COMPONENTS, clean_fqn, has_wrapper_components
+from .checkpoint import _cleanup
 from .errors import CheckpointError, ShardGatherError
 from .io.safetensors_format import (
     ALIASES_KEY,
@@ -146,10 +147,7 @@ def cmd_clean_keys(src: str, out: str) -> int:
                 os.close(src_fd)
             _finish(fd, tmp, out)
         except BaseException:
-            if _fd_open(fd):
-                os.close(fd)
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            _cleanup(fd, tmp)
             raise
     else:
         if src_st:
@@ -175,14 +173,6 @@ def cmd_clean_keys(src: str, out: str) -> int:
                 os.unlink(tmp)
     print(f"wrote {out}")
     return 0
-
-
-def _fd_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
 
 
 def cmd_consolidate(
@@ -241,10 +231,7 @@ def cmd_consolidate(
             bar.close()
         _finish(fd, tmp, out)
     except BaseException:
-        if _fd_open(fd):
-            os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        _cleanup(fd, tmp)
         raise
     print(f"wrote {out}: {len(items)} tensors, {pos / 2**20:.1f} MiB")
     return 0

@@ -328,6 +328,13 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _source_key(plan: GatherPlan, key: str, available: Mapping[str, Any]) -> str | None:
+    """The key a source holds an entry under: its own, or a tied alias's."""
+    if key in available:
+        return key
+    return next((a for a, p in plan.aliases.items() if p == key and a in available), None)
+
+
 def _validate(
     plan: GatherPlan,
     available: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -346,11 +353,7 @@ def _validate(
     unexpected = sorted(set(available) - set(plan.keys))
     mismatched: dict[str, str] = {}
     for key, e in plan.entries.items():
-        src_key = (
-            key
-            if key in available
-            else next((a for a, p in plan.aliases.items() if p == key and a in available), None)
-        )
+        src_key = _source_key(plan, key, available)
         if src_key is None:
             continue
         shape, dtype = available[src_key]
@@ -503,11 +506,7 @@ def _load_from_dict(
     error = ""
     try:
         for key, e in plan.entries.items():
-            src_key = (
-                key
-                if key in shapes
-                else next((a for a, p in plan.aliases.items() if p == key and a in shapes), None)
-            )
+            src_key = _source_key(plan, key, shapes)
             if src_key is None:
                 continue
             full = sd.get(src_key) if everyone_has else _receive(sd.get(src_key), shapes[src_key])
