@@ -1,13 +1,10 @@
-"""Node-local transport: no collective moves data. Every rank writes its *own*
-pieces of every parameter straight to their final offsets in a shared file — a
-/dev/shm region that becomes rank 0's output tensors, or the checkpoint file itself.
-
-From the plan, a rank's elements of an entry are one contiguous run in its local
-shard and one contiguous run in the destination (FSDP1: a shard is a contiguous
-range of the flat parameter; FSDP2: a shard is a contiguous dim-0 row range), so a
-rank's work is a short list of (local offset, destination offset, count) pieces,
-written with ``pwrite`` (through a small staging buffer when casting). Writes go to
-the shared page cache, so no rank's RSS grows by more than that staging buffer.
+"""Node-local transport: no collective moves data. Every rank on rank 0's host writes
+its *own* pieces (_pieces.py) of every parameter straight to their final offsets in a
+shared file — a /dev/shm region that becomes rank 0's output tensors, or the
+checkpoint file itself — with ``pwrite`` (through a small staging buffer when
+casting). Writes go to the shared page cache, so no rank's RSS grows by more than
+that staging buffer. Ranks on other hosts send their pieces to rank 0 point to point
+(_forward.py), which writes them the same way.
 """
 
 from __future__ import annotations
@@ -18,22 +15,25 @@ import socket
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from . import _layout as L
-from . import _ops
+from . import _forward, _pieces
+from ._pieces import pieces_of
 from ._plan import Entry, GatherPlan
-from .io.safetensors_format import pwrite_from
 
 SHM_DIR = "/dev/shm"
-_STAGING_BYTES = 16 * 2**20
 _HOSTS: dict[int, list[str]] = {}
 
 
 def _host_id() -> str:
+    """What identifies "the same host" (a shared /dev/shm and page cache). Hostname plus
+    boot id; ``SHARDGATHER_HOST_ID`` overrides it (containers sharing one hostname but
+    not /dev/shm, or tests that pretend ranks live on several hosts)."""
+    override = os.environ.get("SHARDGATHER_HOST_ID")
+    if override:
+        return override
     boot = ""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -43,64 +43,34 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def all_on_one_host() -> bool:
-    """Whether every rank runs on rank 0's host (exchanged once per world, then cached)."""
+def host_ids() -> list[str]:
+    """Every global rank's host id (exchanged once per world, then cached)."""
     if not dist.is_initialized():
-        return True
+        return [_host_id()]
     world = dist.get_world_size()
     if world not in _HOSTS:
         hosts: list[object] = [None] * world
         dist.all_gather_object(hosts, _host_id())
         _HOSTS[world] = [str(h) for h in hosts]
-    return len(set(_HOSTS[world])) == 1
+    return _HOSTS[world]
 
 
-@dataclass
-class Piece:
-    entry: Entry
-    local_elem: int  # first element in this rank's local row
-    dst_elem: int  # first element in the entry (memory order)
-    numel: int
+def all_on_one_host() -> bool:
+    """Whether every rank runs on rank 0's host."""
+    return len(set(host_ids())) == 1
 
 
-def my_pieces(plan: GatherPlan, participating: Callable[[int], bool]) -> list[Piece]:
-    """This rank's contiguous runs of every gathered entry (group rows it holds)."""
-    out: list[Piece] = []
-    for e in plan.entries.values():
-        src = e.source
-        if src.group is None or not participating(src.index) or e.numel == 0:
-            continue
-        p = src.row_numel
-        lo = min(max(src.rank * p - e.base, 0), e.numel)
-        hi = min(max((src.rank + 1) * p - e.base, 0), e.numel)
-        if hi > lo:
-            out.append(Piece(e, e.base + lo - src.rank * p, lo, hi - lo))
-    return out
-
-
-def write_pieces(fd: int, pieces: list[Piece], offset_of: Callable[[Entry], int]) -> None:
-    """pwrite each piece at ``offset_of(entry) + dst_elem * itemsize``; same-dtype pieces
-    go straight from the local shard, casts through a reused staging buffer."""
-    staging = torch.empty(0, dtype=torch.uint8)
-    for pc in pieces:
-        e = pc.entry
-        local = e.source.local()
-        chunk = local[pc.local_elem : pc.local_elem + pc.numel]
-        out_size = e.target_dtype.itemsize
-        base = offset_of(e) + pc.dst_elem * out_size
-        if e.target_dtype == local.dtype:
-            pwrite_from(fd, chunk.contiguous().view(torch.uint8), base)
-            continue
-        step = max(1, _STAGING_BYTES // out_size)
-        for a in range(0, pc.numel, step):
-            n = min(step, pc.numel - a)
-            if staging.numel() < n * out_size:
-                staging = torch.empty(n * out_size, dtype=torch.uint8)
-            part = chunk[a : a + n]
-            rows = part.view(torch.uint8).view(1, -1)
-            seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(part.dtype), L.kind_of(e.target_dtype))
-            _ops.copy_out(rows, 0, L.segment_table([seg]), [staging[: n * out_size]])
-            pwrite_from(fd, staging[: n * out_size], base + a * out_size)
+def remote_holders(plan: GatherPlan, participating: Callable[[int], bool]) -> list[int]:
+    """Global ranks that hold pieces but run on another host than rank 0: their pieces
+    travel to rank 0 point to point (_forward.py); everyone else writes its own."""
+    hosts = host_ids()
+    if len(set(hosts)) == 1:
+        return []
+    ranks: set[int] = set()
+    for src in plan.sources:
+        if src.group is not None and participating(src.index):
+            ranks.update(r for r in src.group_ranks if hosts[r] != hosts[0])
+    return sorted(r for r in ranks if pieces_of(plan, participating, r))
 
 
 def shm_free_bytes() -> int:
@@ -144,9 +114,11 @@ def gather_to_shm(
     copy_local: Callable[[torch.Tensor, Entry, torch.Tensor], None],
     timeout: datetime.timedelta,
     agree_ok: Callable[[bool, str], list[str]],
+    message_bytes: int,
 ) -> dict[str, torch.Tensor] | None:
-    """Every participating rank writes its pieces into /dev/shm regions (one per dtype)
-    that rank 0 maps; returns rank 0's output tensors (views of them), None elsewhere.
+    """Every participating rank on rank 0's host writes its pieces into /dev/shm regions
+    (one per dtype) that rank 0 maps; ranks elsewhere send theirs to rank 0. Returns
+    rank 0's output tensors (views of the regions), None elsewhere.
 
     The regions are unlinked as soon as every rank has opened them, so nothing is left
     in /dev/shm even if a rank dies; each is freed when its last output view dies.
@@ -154,6 +126,7 @@ def gather_to_shm(
     rank = plan.rank
     offsets, sizes = shm_layout(plan)
     dtypes = list(sizes)
+    remote = remote_holders(plan, participating)
     tag = uuid.uuid4().hex
     names = [[f"{SHM_DIR}/shardgather-{tag}-{i}" for i in range(len(dtypes))] if rank == 0 else []]
     fds: dict[torch.dtype, int] = {}
@@ -167,7 +140,7 @@ def gather_to_shm(
                 error = f"cannot size {name} to {sizes[dt]} bytes: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(names, src=0)
-        if rank != 0:
+        if rank != 0 and rank not in remote and host_ids()[rank] == host_ids()[0]:
             try:
                 for dt, name in zip(dtypes, names[0]):
                     fds[dt] = os.open(name, os.O_WRONLY)
@@ -183,21 +156,23 @@ def gather_to_shm(
                     f"/proc/self/fd/{fds[dt]}", shared=True, size=sizes[dt] // dt.itemsize, dtype=dt
                 )
                 os.unlink(name)
-        if not error:
-            try:
-                pieces = my_pieces(plan, participating)
-                for dt, fd in fds.items():
-                    write_pieces(
-                        fd,
-                        [pc for pc in pieces if pc.entry.target_dtype == dt],
-                        lambda e: offsets[e.key][1],
-                    )
-                if rank == 0:
-                    for key, e in plan.entries.items():
-                        if e.source.group is None:
-                            copy_local(e.source.local(), e, _view(regions, offsets[key], e))
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
+        # Even after a local failure: the exchange with remote ranks must run its course.
+        got = _write_everything(
+            plan,
+            participating,
+            remote,
+            lambda e: fds[e.target_dtype],
+            lambda e: offsets[e.key][1],
+            message_bytes,
+            timeout,
+        )
+        error = error or got
+        if rank == 0 and not error:
+            for key, e in plan.entries.items():
+                if e.source.group is None:
+                    copy_local(e.source.local(), e, _view(regions, offsets[key], e))
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -215,6 +190,45 @@ def gather_to_shm(
     return {key: _view(regions, offsets[key], e) for key, e in plan.entries.items()}
 
 
+def _write_everything(
+    plan: GatherPlan,
+    participating: Callable[[int], bool],
+    remote: list[int],
+    fd_of: Callable[[Entry], int],
+    offset_of: Callable[[Entry], int],
+    message_bytes: int,
+    timeout: datetime.timedelta,
+) -> str:
+    """This rank's share of the work: write its own pieces (on rank 0's host), or send
+    them to rank 0 (elsewhere); rank 0 also writes what the remote ranks send. Returns
+    "" or what failed; keeps exchanging after a local failure so no peer hangs."""
+    rank = plan.rank
+    mine = pieces_of(plan, participating)
+    if rank in remote:
+        return _forward.send_pieces(mine, message_bytes, timeout)
+    error = ""
+    try:
+        by_fd: dict[int, list[_pieces.Piece]] = {}
+        for pc in mine:
+            by_fd.setdefault(fd_of(pc.entry), []).append(pc)
+        for fd, pcs in by_fd.items():
+            _pieces.write_pieces(fd, pcs, offset_of)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        for sender in remote:
+            got = _forward.receive_pieces(
+                sender,
+                pieces_of(plan, participating, sender),
+                message_bytes,
+                fd_of,
+                offset_of,
+                timeout,
+            )
+            error = error or got
+    return error
+
+
 def _view(
     regions: dict[torch.dtype, torch.Tensor], where: tuple[torch.dtype, int], e: Entry
 ) -> torch.Tensor:
@@ -228,16 +242,33 @@ def _view(
 
 def parallel_file_write(
     plan: GatherPlan,
+    fd: int,
     tmp_path: str,
     offsets: dict[str, int],
     participating: Callable[[int], bool],
-) -> None:
-    """Every rank pwrites its pieces into the (already created) checkpoint temp file."""
-    fd = os.open(tmp_path, os.O_WRONLY)
+    message_bytes: int,
+    timeout: datetime.timedelta,
+) -> str:
+    """Every rank on rank 0's host pwrites its pieces into the (already created)
+    checkpoint temp file; ranks elsewhere send theirs to rank 0 (``fd``: rank 0's).
+    Returns "" or what failed here."""
+    remote = remote_holders(plan, participating)
+    own = -1
+    if plan.rank != 0 and plan.rank not in remote:
+        own = os.open(tmp_path, os.O_WRONLY)
     try:
-        write_pieces(fd, my_pieces(plan, participating), lambda e: offsets[e.key])
+        return _write_everything(
+            plan,
+            participating,
+            remote,
+            lambda e: fd if plan.rank == 0 else own,
+            lambda e: offsets[e.key],
+            message_bytes,
+            timeout,
+        )
     finally:
-        os.close(fd)
+        if own >= 0:
+            os.close(own)
 
 
 def usable_for(plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool) -> str | None:
@@ -253,8 +284,6 @@ def usable_for(plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool) -> 
             return "shards on an accelerator"
         if need_contiguous and not e.is_contiguous:
             return f"{e.key} is not contiguous"
-    if not all_on_one_host():
-        return "ranks on several hosts"
     return None
 
 

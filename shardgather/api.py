@@ -189,7 +189,12 @@ def gather_plan(
         shm_bytes=sum(_node_local.shm_layout(plan)[1].values()),
     ):
         return _node_local.gather_to_shm(
-            plan, lambda i: 0 in plan.sources[i].group_ranks, _copy_local, timeout, _all_ok
+            plan,
+            lambda i: 0 in plan.sources[i].group_ranks,
+            _copy_local,
+            timeout,
+            _all_ok,
+            message_bytes=int(bucket_mb * 2**20),
         )
     receives = _receiving(plan, rank0_only)
     outputs: dict[str, torch.Tensor] = {}

@@ -142,7 +142,7 @@ def save_plan(
             os.ftruncate(fd, len(header) + pos)
             os.pwrite(fd, header, 0)
         if parallel:
-            _write_parallel(plan, fd, tmp_path, offsets, writer)
+            _write_parallel(plan, fd, tmp_path, offsets, writer, int(bucket_mb * 2**20), timeout)
         else:
             _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
         if writer:
@@ -172,22 +172,41 @@ def save_plan(
 
 
 def _write_parallel(
-    plan: GatherPlan, fd: int, tmp_path: str | None, offsets: dict[str, int], writer: bool
+    plan: GatherPlan,
+    fd: int,
+    tmp_path: str | None,
+    offsets: dict[str, int],
+    writer: bool,
+    message_bytes: int,
+    timeout: datetime.timedelta,
 ) -> None:
-    """Every rank pwrites its own pieces into the temp file (same host, so same file)."""
+    """Every rank on the writer's host pwrites its own pieces into the temp file; ranks
+    elsewhere send theirs to the writer. Raises what failed here."""
     name = [tmp_path]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(name, src=0)
+    error = ""
     if writer:
-        for e in plan.entries.values():
-            if e.source.group is None:
-                out = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
-                _copy_local(e.source.local(), e, out)
-                pwrite_from(fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key])
+        try:
+            for e in plan.entries.values():
+                if e.source.group is None:
+                    out = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
+                    _copy_local(e.source.local(), e, out)
+                    pwrite_from(fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key])
+        except Exception as exc:  # still take part in the exchange below
+            error = f"{type(exc).__name__}: {exc}"
     assert name[0] is not None
-    _node_local.parallel_file_write(
-        plan, name[0], offsets, lambda i: 0 in plan.sources[i].group_ranks
+    got = _node_local.parallel_file_write(
+        plan,
+        fd,
+        name[0],
+        offsets,
+        lambda i: 0 in plan.sources[i].group_ranks,
+        message_bytes,
+        timeout,
     )
+    if error or got:
+        raise OSError(error or got)
 
 
 def _cleanup(fd: int, tmp_path: str | None) -> None:

@@ -568,7 +568,7 @@ def node_local_rank_dies(rank: int, world: int) -> dict:  # type: ignore[type-ar
     import datetime
     import os
 
-    from shardgather import _node_local
+    from shardgather import _pieces
 
     model, _ = _build("fsdp1", world, seed=0)
     before = set(os.listdir("/dev/shm"))
@@ -577,7 +577,7 @@ def node_local_rank_dies(rank: int, world: int) -> dict:  # type: ignore[type-ar
         def die(*a, **k):  # type: ignore[no-untyped-def]
             os._exit(3)
 
-        _node_local.write_pieces = die
+        _pieces.write_pieces = die
     try:
         sg.full_state_dict(model, transport="shm", timeout=datetime.timedelta(seconds=30))
         raised = None
@@ -784,3 +784,85 @@ def load_sources(rank: int, world: int, path: str) -> dict:  # type: ignore[type
             if res.missing_keys or res.unexpected_keys:
                 problems.append(f"{name}: {res}")
     return {"problems": problems}
+
+
+MIXED_HOST_CASES = {
+    # id: (model kind, host of each rank): SHARDGATHER_HOST_ID pretends the ranks run on
+    # several hosts; ranks off rank 0's host must send their pieces to rank 0.
+    "fsdp1-2+2": ("fsdp1", "aabb"),
+    "fsdp1_orig-rank0_alone-world3": ("fsdp1-orig", "abb"),
+    "fsdp2-interleaved": ("fsdp2", "abab"),
+    # HSDP across hosts: rank 0's replica is all on host a, so nothing travels.
+    "hsdp-replica_per_host": ("fsdp2-hsdp", "aabb"),
+    "hsdp-shards_across_hosts": ("fsdp2-hsdp", "abab"),
+}
+
+
+def mixed_hosts(rank: int, world: int, path: str, case: str) -> dict:  # type: ignore[type-arg]
+    """The node-local transport with ranks on several (pretend) hosts gives exactly the
+    collective path's results: gather (same dtype, bf16 cast, tiny messages), save,
+    optimizer state; and moves only the remote ranks' pieces."""
+    import os
+
+    from shardgather import _forward, _node_local
+
+    kind, hosts = MIXED_HOST_CASES[case]
+    os.environ["SHARDGATHER_HOST_ID"] = "host-" + hosts[rank]
+    _node_local._HOSTS.clear()
+    model, plain = _build(kind, world, seed=0)
+    opt = make_optimizer(model, "adamw")
+    problems = _check(rank, sg.full_state_dict(model), plain.state_dict(), True)
+    train_steps(model, rank, 2, opt)
+
+    want = sg.full_state_dict(model, transport="collective")
+    before = dict(_forward.STATS)
+    got = sg.full_state_dict(model)
+    moved = {k: _forward.STATS[k] - before[k] for k in before}
+    got_bf16 = sg.full_state_dict(model, dtype=torch.bfloat16)
+    got_small = sg.full_state_dict(model, bucket_mb=0.001)
+    sg.save_full_state_dict(model, path)
+    want_osd = sg.full_optim_state_dict(model, opt, transport="collective")
+    got_osd = sg.full_optim_state_dict(model, opt)
+    if rank == 0:
+        problems += diff_state_dicts(got, want)
+        problems += ["bf16: " + p for p in diff_state_dicts(got_bf16, _expected_cast(want))]
+        problems += ["tiny messages: " + p for p in diff_state_dicts(got_small, want)]
+        problems += ["file: " + p for p in diff_state_dicts(sg.load_file(path), want, order=False)]
+        problems += ["optim: " + p for p in _same_osd(got_osd, want_osd, exact=True)]
+    return {"problems": problems, "moved": moved, "remote": hosts[rank] != hosts[0]}
+
+
+def _expected_cast(sd: dict) -> dict:  # type: ignore[type-arg]
+    return {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def mixed_hosts_sender_fails(rank: int, world: int, path: str, op: str) -> dict:  # type: ignore[type-arg]
+    """A rank on another host fails while packing its pieces: every rank raises
+    CollectiveError (nobody hangs), and nothing is left in /dev/shm or as a file."""
+    import datetime
+    import os
+
+    from shardgather import _forward, _node_local
+
+    os.environ["SHARDGATHER_HOST_ID"] = "host-" + "ab"[rank]
+    _node_local._HOSTS.clear()
+    model, _ = _build("fsdp2", world, seed=0)
+    before = set(os.listdir("/dev/shm"))
+    if rank == 1:
+
+        def broken(*a, **k):  # type: ignore[no-untyped-def]
+            raise RuntimeError("simulated failure while packing")
+
+        _forward.cast_into = broken
+    raised, message = None, ""
+    timeout = datetime.timedelta(seconds=60)
+    try:
+        if op == "gather":
+            sg.full_state_dict(model, dtype=torch.bfloat16, timeout=timeout)
+        else:
+            sg.save_full_state_dict(model, path, dtype=torch.bfloat16, timeout=timeout)
+    except sg.ShardGatherError as exc:
+        raised, message = type(exc).__name__, str(exc)
+    leaked = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("shardgather")]
+    files = [n for n in os.listdir(os.path.dirname(path)) if os.path.basename(path) in n]
+    return {"raised": raised, "message": message, "leaked": leaked, "files": files}

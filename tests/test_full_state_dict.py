@@ -11,7 +11,7 @@ import shardgather as sg
 from . import dist_harness
 from .compare import diff_state_dicts
 from .models import TinyLM
-from .scenarios import FSDP1_CASES, FSDP2_CASES
+from .scenarios import FSDP1_CASES, FSDP2_CASES, MIXED_HOST_CASES
 
 pytestmark = pytest.mark.distributed
 
@@ -91,3 +91,37 @@ def test_shm_too_small_falls_back_with_one_warning() -> None:
     results = dist_harness.run("tests.scenarios:shm_too_small", 2)
     assert not [p for r in results for p in r["problems"]]
     assert len(results[0]["warnings"]) == 1 and "free" in results[0]["warnings"][0]
+
+
+@pytest.mark.parametrize("case", list(MIXED_HOST_CASES))
+def test_ranks_on_other_hosts_send_their_pieces(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, hosts = MIXED_HOST_CASES[case]
+    results = dist_harness.run(
+        "tests.scenarios:mixed_hosts", len(hosts), path=str(tmp_path / "m.safetensors"), case=case
+    )
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    sent = [r["moved"]["sent"] for r in results]
+    received = results[0]["moved"]["received"]
+    assert received == sum(sent)
+    if case == "hsdp-replica_per_host":
+        assert received == 0  # rank 0's replica lives on rank 0's host
+    else:
+        assert received > 0
+        # Only remote ranks send (and only those in rank 0's replica).
+        assert all(r["remote"] for s, r in zip(sent, results) if s > 0), sent
+
+
+@pytest.mark.parametrize("op", ["gather", "save"])
+def test_remote_rank_failing_raises_everywhere_and_leaves_nothing(op: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run(
+        "tests.scenarios:mixed_hosts_sender_fails",
+        2,
+        path=str(tmp_path / "m.safetensors"),
+        op=op,
+        timeout=180,
+    )
+    for r in results:
+        assert r["raised"] == "CollectiveError", r
+        assert "simulated failure while packing" in r["message"], r["message"]
+        assert r["leaked"] == [] and r["files"] == [], r

@@ -1,0 +1,87 @@
+"""What each rank holds of every output entry, and writing it to its final place.
+
+From the plan, a rank's elements of an entry are one contiguous run in its local
+shard and one contiguous run in the destination (FSDP1: a shard is a contiguous
+range of the flat parameter; FSDP2: a shard is a contiguous dim-0 row range), so a
+rank's work is a short list of (local offset, destination offset, count) pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import _layout as L
+from . import _ops
+from ._plan import Entry, GatherPlan
+from .io.safetensors_format import pwrite_from
+
+_STAGING_BYTES = 16 * 2**20
+
+
+@dataclass
+class Piece:
+    entry: Entry
+    local_elem: int  # first element in this rank's local row
+    dst_elem: int  # first element in the entry (memory order)
+    numel: int
+
+
+def pieces_of(
+    plan: GatherPlan, participating: Callable[[int], bool], rank: int | None = None
+) -> list[Piece]:
+    """The contiguous runs of every gathered entry held by global ``rank`` (default:
+    this process). Any rank can compute any other rank's pieces from the plan."""
+    me = plan.rank if rank is None else rank
+    out: list[Piece] = []
+    for e in plan.entries.values():
+        src = e.source
+        if src.group is None or not participating(src.index) or e.numel == 0:
+            continue
+        if me == plan.rank:
+            row = src.rank
+        elif me in src.group_ranks:
+            row = src.group_ranks.index(me)
+        else:
+            continue
+        p = src.row_numel
+        lo = min(max(row * p - e.base, 0), e.numel)
+        hi = min(max((row + 1) * p - e.base, 0), e.numel)
+        if hi > lo:
+            out.append(Piece(e, e.base + lo - row * p, lo, hi - lo))
+    return out
+
+
+def write_pieces(fd: int, pieces: list[Piece], offset_of: Callable[[Entry], int]) -> None:
+    """pwrite each piece at ``offset_of(entry) + dst_elem * itemsize``; same-dtype pieces
+    go straight from the local shard, casts through a reused staging buffer."""
+    staging = torch.empty(0, dtype=torch.uint8)
+    for pc in pieces:
+        e = pc.entry
+        local = e.source.local()
+        chunk = local[pc.local_elem : pc.local_elem + pc.numel]
+        out_size = e.target_dtype.itemsize
+        base = offset_of(e) + pc.dst_elem * out_size
+        if e.target_dtype == local.dtype:
+            pwrite_from(fd, chunk.contiguous().view(torch.uint8), base)
+            continue
+        step = max(1, _STAGING_BYTES // out_size)
+        for a in range(0, pc.numel, step):
+            n = min(step, pc.numel - a)
+            if staging.numel() < n * out_size:
+                staging = torch.empty(n * out_size, dtype=torch.uint8)
+            cast_into(chunk[a : a + n], e.target_dtype, staging[: n * out_size])
+            pwrite_from(fd, staging[: n * out_size], base + a * out_size)
+
+
+def cast_into(chunk: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """``out`` (uint8, ``chunk.numel()`` elements of ``dtype``) = ``chunk`` cast, by the
+    copy-out kernel with one segment (bit-identical to ``Tensor.to``)."""
+    n = chunk.numel()
+    if n == 0:
+        return
+    rows = chunk.contiguous().view(torch.uint8).view(1, -1)
+    seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(chunk.dtype), L.kind_of(dtype))
+    _ops.copy_out(rows, 0, L.segment_table([seg]), [out])
