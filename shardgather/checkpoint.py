@@ -72,10 +72,11 @@ def save_full_state_dict(
         dtype: cast floating-point tensors (e.g. ``torch.bfloat16`` to ship a model).
         metadata: extra ``str -> str`` header metadata.
         bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
-        transport: ``"auto"``: when every rank is on rank 0's host (the same
-            filesystem), every rank pwrites its own pieces into the file in parallel;
-            otherwise rank 0 writes what bucketed collectives bring it. ``"shm"`` asks
-            for the former (warns once and falls back), ``"collective"`` for the latter.
+        transport: ``"auto"``: every rank on rank 0's host (the same filesystem)
+            pwrites its own pieces into the file in parallel, and ranks on other hosts
+            send theirs to rank 0 point to point; ``"collective"``: rank 0 writes what
+            bucketed collectives bring it. ``"shm"`` asks for the former (warns once
+            and falls back).
 
     Raises:
         ShardGatherError: bad arguments; CollectiveError: another rank failed.
@@ -133,16 +134,30 @@ def save_plan(
         meta[ALIASES_KEY] = json.dumps(plan.aliases)
     header = encode_header(layout, meta)
     offsets = {k: len(header) + v[2] for k, v in layout.items()}
-    try:
-        if writer:
+    if writer:
+        try:
             directory = os.path.dirname(final) or "."
             fd, tmp_path = tempfile.mkstemp(
                 prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory
             )
             os.ftruncate(fd, len(header) + pos)
             os.pwrite(fd, header, 0)
+        except OSError as exc:
+            error = f"rank 0 cannot create the file in {os.path.dirname(final)!r}: {exc}"
+    # Every rank learns the temp file's name, or that there is none, before any data
+    # moves: a writer that cannot write must not leave the others in a collective.
+    created = [tmp_path, error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(created, src=0)
+    if created[1]:
+        _cleanup(fd, tmp_path)
+        raise CheckpointError(
+            f"save_full_state_dict({final!r}): {created[1]}. Check that the directory "
+            "exists and is writable on rank 0; nothing was written."
+        )
+    try:
         if parallel:
-            _write_parallel(plan, fd, tmp_path, offsets, writer, int(bucket_mb * 2**20), timeout)
+            _write_parallel(plan, fd, created[0], offsets, writer, int(bucket_mb * 2**20), timeout)
         else:
             _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
         if writer:
@@ -182,9 +197,6 @@ def _write_parallel(
 ) -> None:
     """Every rank on the writer's host pwrites its own pieces into the temp file; ranks
     elsewhere send theirs to the writer. Raises what failed here."""
-    name = [tmp_path]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
     error = ""
     if writer:
         try:
@@ -195,11 +207,11 @@ def _write_parallel(
                     pwrite_from(fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key])
         except Exception as exc:  # still take part in the exchange below
             error = f"{type(exc).__name__}: {exc}"
-    assert name[0] is not None
+    assert tmp_path is not None
     got = _node_local.parallel_file_write(
         plan,
         fd,
-        name[0],
+        tmp_path,
         offsets,
         lambda i: 0 in plan.sources[i].group_ranks,
         message_bytes,

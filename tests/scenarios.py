@@ -517,6 +517,21 @@ def save_fails_on_one_rank(rank: int, world: int, path: str, transport: str) -> 
     return {"raised": raised, "leftovers": leftovers}
 
 
+def save_into_missing_dir(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
+    """Rank 0 cannot create the file (no such directory): every rank raises the same
+    CheckpointError at once, none is left waiting in a collective."""
+    import datetime
+
+    model, _ = _build("fsdp2", world, seed=0)
+    try:
+        sg.save_full_state_dict(
+            model, path, transport=transport, timeout=datetime.timedelta(seconds=60)
+        )
+        return {"raised": None}
+    except sg.ShardGatherError as exc:
+        return {"raised": (type(exc).__name__, str(exc))}
+
+
 def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: float) -> dict:  # type: ignore[type-arg]
     """Peak RSS rise of full_state_dict / save / load on a model many buckets large."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
