@@ -280,8 +280,6 @@ def usable_for(plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool) -> 
     for e in plan.entries.values():
         if e.source.group is None:
             continue
-        if e.source.local().device.type != "cpu":
-            return "shards on an accelerator"
         if need_contiguous and not e.is_contiguous:
             return f"{e.key} is not contiguous"
     return None

@@ -55,13 +55,25 @@ def pieces_of(
 
 
 def write_pieces(fd: int, pieces: list[Piece], offset_of: Callable[[Entry], int]) -> None:
-    """pwrite each piece at ``offset_of(entry) + dst_elem * itemsize``; same-dtype pieces
-    go straight from the local shard, casts through a reused staging buffer."""
+    """pwrite each piece at ``offset_of(entry) + dst_elem * itemsize``.
+
+    CPU shards: same-dtype pieces go straight from the local shard, casts through a
+    reused staging buffer. CUDA shards: the copy-out kernel casts each chunk into one
+    of two pinned slabs (writing host memory through its mapped address) while the
+    previous chunk is written, so the device-to-host copy and the write overlap.
+    """
+    rows: dict[int, torch.Tensor] = {}  # local() once per source (it may rebuild a row)
+    on_device: list[tuple[Piece, torch.Tensor]] = []
     staging = torch.empty(0, dtype=torch.uint8)
     for pc in pieces:
         e = pc.entry
-        local = e.source.local()
+        local = rows.get(id(e.source))
+        if local is None:
+            local = rows[id(e.source)] = e.source.local()
         chunk = local[pc.local_elem : pc.local_elem + pc.numel]
+        if chunk.is_cuda:
+            on_device.append((pc, chunk))
+            continue
         out_size = e.target_dtype.itemsize
         base = offset_of(e) + pc.dst_elem * out_size
         if e.target_dtype == local.dtype:
@@ -74,6 +86,37 @@ def write_pieces(fd: int, pieces: list[Piece], offset_of: Callable[[Entry], int]
                 staging = torch.empty(n * out_size, dtype=torch.uint8)
             cast_into(chunk[a : a + n], e.target_dtype, staging[: n * out_size])
             pwrite_from(fd, staging[: n * out_size], base + a * out_size)
+    if on_device:
+        _write_from_device(fd, on_device, offset_of)
+
+
+def _write_from_device(
+    fd: int, pieces: list[tuple[Piece, torch.Tensor]], offset_of: Callable[[Entry], int]
+) -> None:
+    from . import _staging
+
+    jobs = []  # (chunk part, target dtype, file offset)
+    for pc, chunk in pieces:
+        size = pc.entry.target_dtype.itemsize
+        step = max(1, _STAGING_BYTES // size)
+        base = offset_of(pc.entry) + pc.dst_elem * size
+        for a in range(0, pc.numel, step):
+            part = chunk[a : a + step]
+            jobs.append((part, pc.entry.target_dtype, base + a * size))
+    pending: tuple[torch.Tensor, int, torch.cuda.Event] | None = None
+    for i, (part, dtype, offset) in enumerate(jobs):
+        # Slot i % 2 was last used by job i - 2, written (synchronously) before now.
+        buf = _staging.slab(2 + i % 2, part.numel() * dtype.itemsize)
+        cast_into(part, dtype, buf)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(part.device))  # the kernel's stream
+        if pending is not None:
+            pending[2].synchronize()
+            pwrite_from(fd, pending[0], pending[1])
+        pending = (buf, offset, done)
+    if pending is not None:
+        pending[2].synchronize()
+        pwrite_from(fd, pending[0], pending[1])
 
 
 def cast_into(chunk: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:

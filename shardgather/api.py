@@ -130,12 +130,14 @@ def full_state_dict(
         progress: show a tqdm bar of bytes on the receiving rank(s).
         timeout: per-collective timeout; a failed or missing rank raises instead of
             hanging.
-        transport: ``"auto"``: when every rank is on rank 0's host and the shards are on
-            the CPU (and ``rank0_only``), each rank writes its own pieces straight into
-            one shared-memory region that becomes the output (no collective moves
-            data; the output tensors are views of that region, freed with the last
-            one); otherwise bucketed collectives. ``"shm"``: ask for the former (warns
-            once and falls back when impossible). ``"collective"``: always the latter.
+        transport: ``"auto"`` (with ``rank0_only`` and without ``pin_memory``): each
+            rank on rank 0's host writes its own pieces straight into one shared-memory
+            region per dtype that becomes the output (the output tensors are views of
+            it, freed with the last one; CUDA shards go through the copy-out kernel
+            and a pinned slab per rank, so every GPU uses its own link); ranks on other
+            hosts send only their pieces to rank 0. Otherwise bucketed collectives.
+            ``"shm"``: ask for the former (warns once and falls back when impossible,
+            e.g. /dev/shm too small). ``"collective"``: always the latter.
 
     Returns:
         ``dict[str, Tensor]``: CPU tensors with the plain model's shapes and strides.
