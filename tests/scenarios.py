@@ -881,3 +881,43 @@ def mixed_hosts_sender_fails(rank: int, world: int, path: str, op: str) -> dict:
     leaked = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("shardgather")]
     files = [n for n in os.listdir(os.path.dirname(path)) if os.path.basename(path) in n]
     return {"raised": raised, "message": message, "leaked": leaked, "files": files}
+
+
+def _io_read_bytes() -> int:
+    """Bytes this process read through read()/pread() (sockets included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def load_reads_only_own_bytes(rank: int, world: int, path: str, kind: str) -> dict:  # type: ignore[type-arg]
+    """Loading a safetensors file, a rank reads its own elements' bytes (plus the
+    header and the tensors every rank holds in full), not the file."""
+    from shardgather import _pieces
+    from shardgather._plan import build_plan
+    from shardgather.testing import Block as GPTBlock
+    from shardgather.testing import build_gpt
+
+    model = build_gpt(0.1)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({GPTBlock}), device_id=torch.device("cpu")
+        )
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+    sg.save_full_state_dict(model, path)
+    plan = build_plan(model)
+    own = sum(e.nbytes for e in plan.entries.values() if e.source.group is None)
+    own += sum(pc.numel * pc.entry.dtype.itemsize for pc in _pieces.pieces_of(plan, lambda i: True))
+    before = _io_read_bytes()
+    sg.load_full_state_dict(model, path)
+    read = _io_read_bytes() - before
+    import os
+
+    return {"read": read, "own": own, "file": os.path.getsize(path)}

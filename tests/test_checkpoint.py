@@ -125,3 +125,17 @@ def test_load_from_torch_file_and_dicts(tmp_path) -> None:  # type: ignore[no-un
     results = dist_harness.run("tests.scenarios:load_sources", 2, path=str(tmp_path / "model.pt"))
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_load_reads_only_each_ranks_own_bytes(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run(
+        "tests.scenarios:load_reads_only_own_bytes",
+        2,
+        path=str(tmp_path / "m.safetensors"),
+        kind=kind,
+    )
+    for r in results:
+        # Own elements + the header + collectives' small messages; never the whole file.
+        assert r["own"] <= r["read"] <= r["own"] + 2**20, r
+        assert r["own"] < 0.6 * r["file"], r
