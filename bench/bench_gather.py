@@ -1,7 +1,7 @@
 """shardgather vs torch's own full-state-dict paths, same model, same run.
 
     python bench/bench_gather.py --size-gb 1 --world 2 [--backend gloo|nccl]
-        [--ops gather save load] [--methods SUBSTR ...] [--json out.json]
+        [--ops gather save load optim] [--methods SUBSTR ...] [--hosts aabb] [--json out.json]
 
 Spawns W processes, builds a GPT-like fp32 model of S GiB (tied embedding), shards it
 with FSDP1 and with FSDP2, and for every method reports the median wall time of
@@ -149,6 +149,10 @@ def _methods(kind: str, model: nn.Module, files: str, ops: set[str], ref_sd: dic
         )
     if "gather" in ops:
         out["gather: shardgather"] = (lambda: sg.full_state_dict(model), same)
+        out["gather: shardgather, transport=collective"] = (
+            lambda: sg.full_state_dict(model, transport="collective"),
+            same,
+        )
         if kind == "fsdp1":
             out["gather: torch FSDP1 FULL_STATE_DICT"] = (torch_full, same)
         out["gather: torch get_model_state_dict"] = (
@@ -258,6 +262,9 @@ def _measure(name: str, fn, verify, ref_sd: dict, repeats: int, nccl: bool) -> d
 
 def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if args.hosts:
+        # Pretend ranks live on several hosts: those off rank 0's send their pieces.
+        os.environ["SHARDGATHER_HOST_ID"] = "host-" + args.hosts[rank]
     nccl = args.backend == "nccl"
     if nccl:
         torch.cuda.set_device(rank)
@@ -328,6 +335,12 @@ def _rows(per_rank: list[dict]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument(
+        "--hosts",
+        default="",
+        help="one letter per rank, e.g. aabb: pretend ranks run on several hosts "
+        "(SHARDGATHER_HOST_ID), so ranks off rank 0's host send their pieces to it",
+    )
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     ap.add_argument("--fsdp", nargs="+", default=["fsdp1", "fsdp2"], choices=["fsdp1", "fsdp2"])
@@ -341,6 +354,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.hosts and len(args.hosts) != args.world:
+        ap.error(f"--hosts needs one letter per rank ({args.world}), got {args.hosts!r}")
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="sg-bench-") as tmp:
@@ -367,7 +382,8 @@ def main() -> None:
     rows = _rows(per_rank)
     print(
         f"\nmodel {args.size_gb} GiB fp32 (tied GPT), world {args.world}, {args.backend}, "
-        f"median of {args.repeats} after a verified warm-up; time/sg = time / shardgather's"
+        + (f"pretend hosts {args.hosts}, " if args.hosts else "")
+        + f"median of {args.repeats} after a verified warm-up; time/sg = time / shardgather's"
     )
     print(
         f"{'method':64} {'time s':>7} {'GB/s':>5} {'time/sg':>7} "

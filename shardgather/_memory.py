@@ -2,7 +2,8 @@
 
 The HWM is reset through /proc/self/clear_refs where allowed (else a 2 ms sampler of
 /proc/self/statm stands in), after gc + malloc_trim so freed-but-cached glibc chunks
-do not hide the rise.
+do not hide the rise. The node's shared memory (/dev/shm) is sampled every 20 ms and
+at the end.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def peak_rss_rise() -> Iterator[dict]:
     base = _rss()
     shm_base = _shmem()
     hwm_ok = _reset_hwm()
+    # With the kernel's high-water mark only /dev/shm needs sampling, and slowly: a 2 ms
+    # poller in every rank measurably slows a page-fault-bound copy on a 2-vCPU machine.
+    interval = 0.02 if hwm_ok else 0.002
     peak = [base]
     shm_peak = [shm_base]
     stop = threading.Event()
@@ -73,7 +77,7 @@ def peak_rss_rise() -> Iterator[dict]:
         while not stop.is_set():
             peak[0] = max(peak[0], _rss())
             shm_peak[0] = max(shm_peak[0], _shmem())
-            time.sleep(0.002)
+            time.sleep(interval)
 
     t = threading.Thread(target=sample, daemon=True)
     t.start()

@@ -55,11 +55,6 @@ def host_ids() -> list[str]:
     return _HOSTS[world]
 
 
-def all_on_one_host() -> bool:
-    """Whether every rank runs on rank 0's host."""
-    return len(set(host_ids())) == 1
-
-
 def remote_holders(plan: GatherPlan, participating: Callable[[int], bool]) -> list[int]:
     """Global ranks that hold pieces but run on another host than rank 0: their pieces
     travel to rank 0 point to point (_forward.py); everyone else writes its own."""

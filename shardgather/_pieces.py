@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from . import _layout as L
 from . import _ops
@@ -43,7 +44,7 @@ def pieces_of(
         if me == plan.rank:
             row = src.rank
         elif me in src.group_ranks:
-            row = src.group_ranks.index(me)
+            row = dist.get_group_rank(src.group, me)
         else:
             continue
         p = src.row_numel
