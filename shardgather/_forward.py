@@ -159,16 +159,24 @@ def receive_pieces(
     fd_of: Callable[[Entry], int],
     offset_of: Callable[[Entry], int],
     timeout: datetime.timedelta,
+    buffers: dict[str, list[torch.Tensor]],
 ) -> str:
     """Rank 0: receive ``sender``'s pieces and pwrite each part at its final offset.
-    Returns "" or what failed while writing (receiving goes on regardless)."""
+    ``buffers`` (start with ``{}``) carries the two receive buffers from one sender to
+    the next. Returns "" or what failed while writing (receiving goes on regardless)."""
     device = _wire_device()
     msgs = messages(pieces, message_bytes)
     if not msgs:
         return ""
     cap = max(message_size(m) for m in msgs)
-    bufs = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(min(2, len(msgs)))]
-    host = bufs if device.type == "cpu" else [torch.empty(cap, dtype=torch.uint8) for _ in bufs]
+    if not buffers or buffers["wire"][0].numel() < cap:
+        buffers["wire"] = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(2)]
+        buffers["host"] = (
+            buffers["wire"]
+            if device.type == "cpu"
+            else [torch.empty(cap, dtype=torch.uint8) for _ in range(2)]
+        )
+    bufs, host = buffers["wire"], buffers["host"]
 
     def post(i: int):  # type: ignore[no-untyped-def]
         return dist.irecv(bufs[i % 2][: message_size(msgs[i])], src=sender, tag=i)

@@ -211,6 +211,7 @@ def _write_everything(
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     if rank == 0:
+        buffers: dict[str, list[torch.Tensor]] = {}
         for sender in remote:
             got = _forward.receive_pieces(
                 sender,
@@ -219,6 +220,7 @@ def _write_everything(
                 fd_of,
                 offset_of,
                 timeout,
+                buffers,
             )
             error = error or got
     return error
