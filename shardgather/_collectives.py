@@ -145,7 +145,7 @@ def agree(plan: GatherPlan, timeout: datetime.timedelta) -> None:
         )
 
 
-def _wait(work, timeout: datetime.timedelta, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_or_raise(work, timeout: datetime.timedelta, what: str) -> None:  # type: ignore[no-untyped-def]
     try:
         ok = work.wait(timeout)
     except Exception as exc:
@@ -251,7 +251,7 @@ def gather_buckets(
     pending = launch(0)
     for i in range(len(buckets)):
         work, out = pending
-        _wait(work, timeout, f"gather of bucket {i}/{len(buckets)}")
+        wait_or_raise(work, timeout, f"gather of bucket {i}/{len(buckets)}")
         if i + 1 < len(buckets):
             pending = launch(i + 1)
         yield buckets[i], out

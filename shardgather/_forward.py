@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ._collectives import wait_or_raise
 from ._pieces import Piece, cast_into
 from ._plan import Entry
-from .errors import CollectiveError
 from .io.safetensors_format import pwrite_from
 
 _ALIGN = 16
@@ -89,32 +89,26 @@ def _wire_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _wait(work, timeout: datetime.timedelta, what: str) -> None:  # type: ignore[no-untyped-def]
-    try:
-        ok = work.wait(timeout)
-    except Exception as exc:
-        raise CollectiveError(f"rank {dist.get_rank()}: {what} failed: {exc}") from exc
-    if ok is False:
-        raise CollectiveError(f"rank {dist.get_rank()}: {what} timed out after {timeout}")
+def _chunk(part: Part, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The part's elements in this rank's local row (``rows``: local() once per source)."""
+    src = part.piece.entry.source
+    if id(src) not in rows:
+        rows[id(src)] = src.local()
+    a = part.piece.local_elem + part.start
+    return rows[id(src)][a : a + part.numel]
 
 
-def _chunk(part: Part) -> torch.Tensor:
-    pc = part.piece
-    local = pc.entry.source.local()
-    a = pc.local_elem + part.start
-    return local[a : a + part.numel]
-
-
-def _pack(parts: list[Part], buf: torch.Tensor) -> torch.Tensor:
+def _pack(parts: list[Part], buf: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
     """The message for ``parts``: the local shard itself when it is one same-dtype part
     (nothing to copy), else packed (and cast) into ``buf``."""
-    if len(parts) == 1 and parts[0].piece.entry.target_dtype == _chunk(parts[0]).dtype:
-        chunk = _chunk(parts[0])
-        if chunk.device == buf.device and chunk.is_contiguous():
+    if len(parts) == 1:
+        chunk = _chunk(parts[0], rows)
+        same = parts[0].piece.entry.target_dtype == chunk.dtype
+        if same and chunk.device == buf.device and chunk.is_contiguous():
             return chunk.view(torch.uint8)
     for p in parts:
         out = buf[p.offset : p.offset + p.nbytes]
-        chunk = _chunk(p)
+        chunk = _chunk(p, rows)
         if chunk.device.type == "cpu" and out.device.type == "cpu":
             cast_into(chunk, p.piece.entry.target_dtype, out)
         else:
@@ -129,16 +123,17 @@ def send_pieces(pieces: list[Piece], message_bytes: int, timeout: datetime.timed
     msgs = messages(pieces, message_bytes)
     bufs = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
     pending: list = [None, None]
+    rows: dict[int, torch.Tensor] = {}
     error = ""
     for i, parts in enumerate(msgs):
         slot = i % 2
         if pending[slot] is not None:
-            _wait(pending[slot], timeout, f"sending message {i - 2} to rank 0")
+            wait_or_raise(pending[slot], timeout, f"sending message {i - 2} to rank 0")
         size = message_size(parts)
         if bufs[slot].numel() < size:
             bufs[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         try:
-            payload = _pack(parts, bufs[slot]) if not error else bufs[slot][:size]
+            payload = _pack(parts, bufs[slot], rows) if not error else bufs[slot][:size]
         except Exception as exc:
             error = f"packing pieces for rank 0: {type(exc).__name__}: {exc}"
             payload = bufs[slot][:size]
@@ -148,7 +143,7 @@ def send_pieces(pieces: list[Piece], message_bytes: int, timeout: datetime.timed
         STATS["sent"] += size
     for work in pending:
         if work is not None:
-            _wait(work, timeout, "sending the last messages to rank 0")
+            wait_or_raise(work, timeout, "sending the last messages to rank 0")
     return error
 
 
@@ -184,7 +179,7 @@ def receive_pieces(
     works = {0: post(0)}
     error = ""
     for i, parts in enumerate(msgs):
-        _wait(works.pop(i), timeout, f"receiving message {i} from rank {sender}")
+        wait_or_raise(works.pop(i), timeout, f"receiving message {i} from rank {sender}")
         STATS["received"] += message_size(parts)
         buf = bufs[i % 2]
         if device.type == "cuda":
