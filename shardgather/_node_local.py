@@ -245,11 +245,12 @@ def parallel_file_write(
     participating: Callable[[int], bool],
     message_bytes: int,
     timeout: datetime.timedelta,
+    shared_filesystem: bool = False,
 ) -> str:
-    """Every rank on rank 0's host pwrites its pieces into the (already created)
-    checkpoint temp file; ranks elsewhere send theirs to rank 0 (``fd``: rank 0's).
-    Returns "" or what failed here."""
-    remote = remote_holders(plan, participating)
+    """Every rank on rank 0's host (every rank, on a shared filesystem) pwrites its
+    pieces into the (already created) checkpoint temp file; ranks elsewhere send theirs
+    to rank 0 (``fd``: rank 0's). Returns "" or what failed here."""
+    remote = [] if shared_filesystem else remote_holders(plan, participating)
     own = -1
     if plan.rank != 0 and plan.rank not in remote:
         own = os.open(tmp_path, os.O_WRONLY)

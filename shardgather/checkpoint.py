@@ -56,6 +56,7 @@ def save_full_state_dict(
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
+    shared_filesystem: bool = False,
 ) -> None:
     """Write the full, unwrapped state dict to one safetensors file, streaming.
 
@@ -77,6 +78,9 @@ def save_full_state_dict(
             send theirs to rank 0 point to point; ``"collective"``: rank 0 writes what
             bucketed collectives bring it. ``"shm"`` asks for the former (warns once
             and falls back).
+        shared_filesystem: ``path`` is on a filesystem every host mounts (NFS,
+            Lustre, GPFS...): ranks on other hosts then pwrite their own pieces into
+            the file too, instead of sending them to rank 0.
 
     Raises:
         ShardGatherError: bad arguments; CollectiveError: another rank failed.
@@ -100,6 +104,7 @@ def save_full_state_dict(
         progress=progress,
         timeout=timeout,
         transport=transport,
+        shared_filesystem=shared_filesystem,
     )
 
 
@@ -112,6 +117,7 @@ def save_plan(
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
+    shared_filesystem: bool = False,
 ) -> None:
     """Stream an agreed plan's entries to one safetensors file, atomically (the engine
     behind save_full_state_dict; optimizer state uses it too)."""
@@ -157,7 +163,16 @@ def save_plan(
         )
     try:
         if parallel:
-            _write_parallel(plan, fd, created[0], offsets, writer, int(bucket_mb * 2**20), timeout)
+            _write_parallel(
+                plan,
+                fd,
+                created[0],
+                offsets,
+                writer,
+                int(bucket_mb * 2**20),
+                timeout,
+                shared_filesystem,
+            )
         else:
             _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
         if writer:
@@ -194,9 +209,11 @@ def _write_parallel(
     writer: bool,
     message_bytes: int,
     timeout: datetime.timedelta,
+    shared_filesystem: bool,
 ) -> None:
-    """Every rank on the writer's host pwrites its own pieces into the temp file; ranks
-    elsewhere send theirs to the writer. Raises what failed here."""
+    """Every rank on the writer's host (every rank, on a shared filesystem) pwrites its
+    own pieces into the temp file; ranks elsewhere send theirs to the writer. Raises
+    what failed here."""
     error = ""
     if writer:
         try:
@@ -216,6 +233,7 @@ def _write_parallel(
         lambda i: 0 in plan.sources[i].group_ranks,
         message_bytes,
         timeout,
+        shared_filesystem,
     )
     if error or got:
         raise OSError(error or got)

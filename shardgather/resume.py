@@ -55,13 +55,15 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    shared_filesystem: bool = False,
 ) -> None:
     """Save model, optimizer state and ``extra`` to the directory ``path``, atomically.
 
     Call on every rank. Everything is written into a temporary directory beside
     ``path`` and renamed at the end: a failure leaves ``path`` as it was. Peak extra
     host memory per rank stays at the staging bound of save_full_state_dict, the
-    optimizer state included (it is streamed the same way).
+    optimizer state included (it is streamed the same way). ``shared_filesystem``: as
+    for :func:`save_full_state_dict`.
 
     Example:
         >>> shardgather.save_checkpoint("ckpt/step_1000", model, optimizer,
@@ -74,16 +76,34 @@ def save_checkpoint(
         if _rank() == 0
         else None
     )
+    made = ""
+    if _rank() == 0:
+        try:
+            os.makedirs(tmp)
+        except OSError as exc:
+            made = f"rank 0 cannot create {tmp!r}: {exc}"
+    made = _broadcast(made)  # every rank learns it before any collective
+    if made:
+        raise CheckpointError(
+            f"save_checkpoint({final!r}): {made}. Check that the parent directory exists "
+            "and is writable on rank 0; nothing was written."
+        )
     error = ""
     try:
-        if _rank() == 0:
-            os.makedirs(tmp)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-        save_full_state_dict(model, os.path.join(tmp, MODEL_FILE), timeout=timeout)
+        save_full_state_dict(
+            model,
+            os.path.join(tmp, MODEL_FILE),
+            timeout=timeout,
+            shared_filesystem=shared_filesystem,
+        )
         if optimizer is not None:
             st = state_plan(model, optimizer, timeout)
-            save_plan(st.plan, os.path.join(tmp, OPTIM_FILE), timeout=timeout)
+            save_plan(
+                st.plan,
+                os.path.join(tmp, OPTIM_FILE),
+                timeout=timeout,
+                shared_filesystem=shared_filesystem,
+            )
             if _rank() == 0:
                 scalars = {
                     k: {n: d[1] for n, d in names.items() if d[0] == "scalar"}

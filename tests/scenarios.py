@@ -523,10 +523,12 @@ def save_into_missing_dir(rank: int, world: int, path: str, transport: str) -> d
     import datetime
 
     model, _ = _build("fsdp2", world, seed=0)
+    timeout = datetime.timedelta(seconds=60)
     try:
-        sg.save_full_state_dict(
-            model, path, transport=transport, timeout=datetime.timedelta(seconds=60)
-        )
+        if transport == "checkpoint":
+            sg.save_checkpoint(path, model, timeout=timeout)
+        else:
+            sg.save_full_state_dict(model, path, transport=transport, timeout=timeout)
         return {"raised": None}
     except sg.ShardGatherError as exc:
         return {"raised": (type(exc).__name__, str(exc))}
@@ -836,6 +838,9 @@ def mixed_hosts(rank: int, world: int, path: str, case: str) -> dict:  # type: i
     got_bf16 = sg.full_state_dict(model, dtype=torch.bfloat16)
     got_small = sg.full_state_dict(model, bucket_mb=0.001)
     sg.save_full_state_dict(model, path)
+    before_shared = dict(_forward.STATS)
+    sg.save_full_state_dict(model, path + ".shared", shared_filesystem=True)
+    moved_shared = sum(_forward.STATS[k] - before_shared[k] for k in before_shared)
     want_osd = sg.full_optim_state_dict(model, opt, transport="collective")
     got_osd = sg.full_optim_state_dict(model, opt)
     if rank == 0:
@@ -843,7 +848,11 @@ def mixed_hosts(rank: int, world: int, path: str, case: str) -> dict:  # type: i
         problems += ["bf16: " + p for p in diff_state_dicts(got_bf16, _expected_cast(want))]
         problems += ["tiny messages: " + p for p in diff_state_dicts(got_small, want)]
         problems += ["file: " + p for p in diff_state_dicts(sg.load_file(path), want, order=False)]
+        shared = sg.load_file(path + ".shared")
+        problems += ["shared fs file: " + p for p in diff_state_dicts(shared, want, order=False)]
         problems += ["optim: " + p for p in _same_osd(got_osd, want_osd, exact=True)]
+    if moved_shared:
+        problems.append(f"shared_filesystem=True still forwarded {moved_shared} bytes")
     return {"problems": problems, "moved": moved, "remote": hosts[rank] != hosts[0]}
 
 

@@ -77,16 +77,17 @@ def test_failed_save_on_one_rank_leaves_nothing(tmp_path, transport) -> None:  #
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("transport", ["auto", "collective"])
-def test_save_into_missing_directory_raises_on_every_rank(tmp_path, transport) -> None:  # type: ignore[no-untyped-def]
-    path = str(tmp_path / "no" / "such" / "model.safetensors")
+@pytest.mark.parametrize("transport", ["auto", "collective", "checkpoint"])
+def test_save_where_rank0_cannot_create_raises_on_every_rank(tmp_path, transport) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "blocker").write_text("a file where a directory should be")
+    path = str(tmp_path / "blocker" / "model.safetensors")
     results = dist_harness.run(
         "tests.scenarios:save_into_missing_dir", 2, path=path, transport=transport, timeout=120
     )
     for r in results:
         assert r["raised"] is not None and r["raised"][0] == "CheckpointError", r
         assert "directory exists" in r["raised"][1], r
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == ["blocker"]
 
 
 def test_plain_model_round_trip_single_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
