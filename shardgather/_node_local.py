@@ -55,6 +55,43 @@ def host_ids() -> list[str]:
     return _HOSTS[world]
 
 
+_MEMFD: dict[int, bool] = {}
+
+
+def memfd_shareable() -> bool:
+    """Whether the ranks on rank 0's host can open a memfd of rank 0 through
+    /proc/<pid>/fd (same pid namespace and user). Probed once per world, collectively;
+    the same answer on every rank."""
+    if not hasattr(os, "memfd_create"):
+        return False
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world not in _MEMFD:
+        hosts = host_ids()  # collective: every rank, before anything rank-dependent
+        fd = -1
+        path: list[str | None] = [None]
+        if rank == 0:
+            try:
+                fd = os.memfd_create("shardgather-probe", os.MFD_CLOEXEC)
+                path[0] = f"/proc/{os.getpid()}/fd/{fd}"
+            except OSError:
+                pass
+        dist.broadcast_object_list(path, src=0)
+        ok = path[0] is not None
+        if ok and rank != 0 and hosts[rank] == hosts[0]:
+            try:
+                os.close(os.open(str(path[0]), os.O_WRONLY))
+            except OSError:
+                ok = False
+        oks: list[object] = [None] * world
+        dist.all_gather_object(oks, ok)
+        if fd >= 0:
+            os.close(fd)
+        _MEMFD[world] = all(bool(o) for o in oks)
+    return _MEMFD[world]
+
+
 def remote_holders(plan: GatherPlan, participating: Callable[[int], bool]) -> list[int]:
     """Global ranks that hold pieces but run on another host than rank 0: their pieces
     travel to rank 0 point to point (_forward.py); everyone else writes its own."""
@@ -111,31 +148,41 @@ def gather_to_shm(
     agree_ok: Callable[[bool, str], list[str]],
     message_bytes: int,
 ) -> dict[str, torch.Tensor] | None:
-    """Every participating rank on rank 0's host writes its pieces into /dev/shm regions
-    (one per dtype) that rank 0 maps; ranks elsewhere send theirs to rank 0. Returns
-    rank 0's output tensors (views of the regions), None elsewhere.
+    """Every participating rank on rank 0's host writes its pieces into shared-memory
+    regions (one per dtype) that rank 0 maps; ranks elsewhere send theirs to rank 0.
+    Returns rank 0's output tensors (views of the regions), None elsewhere.
 
-    The regions are unlinked as soon as every rank has opened them, so nothing is left
-    in /dev/shm even if a rank dies; each is freed when its last output view dies.
+    A region is a memfd of rank 0 that the other ranks open through /proc (no name
+    anywhere, so nothing can leak, and no room needed in /dev/shm, which containers cap
+    at 64 MiB), or else a /dev/shm file unlinked as soon as every rank has opened it.
+    Each is freed when its last output view dies.
     """
     rank = plan.rank
     offsets, sizes = shm_layout(plan)
     dtypes = list(sizes)
+    hosts = host_ids()  # collectives first, on every rank
     remote = remote_holders(plan, participating)
+    memfd = memfd_shareable()
     tag = uuid.uuid4().hex
-    names = [[f"{SHM_DIR}/shardgather-{tag}-{i}" for i in range(len(dtypes))] if rank == 0 else []]
+    names: list[list[str]] = [[]]
     fds: dict[torch.dtype, int] = {}
     error = ""
     if rank == 0:
-        for dt, name in zip(dtypes, names[0]):
-            fds[dt] = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        for i, dt in enumerate(dtypes):
+            if memfd:
+                fds[dt] = os.memfd_create(f"shardgather-{tag}-{i}", os.MFD_CLOEXEC)
+                names[0].append(f"/proc/{os.getpid()}/fd/{fds[dt]}")
+            else:
+                names[0].append(f"{SHM_DIR}/shardgather-{tag}-{i}")
+                fds[dt] = os.open(names[0][-1], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            name = names[0][-1]
             try:
                 os.ftruncate(fds[dt], sizes[dt])
             except OSError as exc:
                 error = f"cannot size {name} to {sizes[dt]} bytes: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(names, src=0)
-        if rank != 0 and rank not in remote and host_ids()[rank] == host_ids()[0]:
+        if rank != 0 and rank not in remote and hosts[rank] == hosts[0]:
             try:
                 for dt, name in zip(dtypes, names[0]):
                     fds[dt] = os.open(name, os.O_WRONLY)
@@ -150,7 +197,8 @@ def gather_to_shm(
                 regions[dt] = torch.from_file(
                     f"/proc/self/fd/{fds[dt]}", shared=True, size=sizes[dt] // dt.itemsize, dtype=dt
                 )
-                os.unlink(name)
+                if not memfd:
+                    os.unlink(name)
         # Even after a local failure: the exchange with remote ranks must run its course.
         got = _write_everything(
             plan,
@@ -171,7 +219,7 @@ def gather_to_shm(
     finally:
         for fd in fds.values():
             os.close(fd)
-        if rank == 0:
+        if rank == 0 and not memfd:
             for name in names[0]:
                 if os.path.exists(name):
                     os.unlink(name)
@@ -296,7 +344,7 @@ def choose(
     if transport == "collective":
         return False
     why = usable_for(plan, rank0_only, need_contiguous=need_contiguous)
-    if why is None and shm_bytes is not None:
+    if why is None and shm_bytes is not None and not memfd_shareable():
         # Only rank 0's view of /dev/shm matters: it creates the region.
         free = [shm_free_bytes() if plan.rank == 0 else 0]
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -604,20 +604,29 @@ def node_local_rank_dies(rank: int, world: int) -> dict:  # type: ignore[type-ar
     return {"raised": raised, "leaked": [n for n in leaked if n.startswith("shardgather")]}
 
 
-def shm_too_small(rank: int, world: int) -> dict:  # type: ignore[type-arg]
-    """/dev/shm without room: a one-line warning and the collective path, same result."""
+def shm_too_small(rank: int, world: int, memfd: bool) -> dict:  # type: ignore[type-arg]
+    """/dev/shm without room: a memfd needs none (same result, node-local); without a
+    shareable memfd, a one-line warning and the collective path, same result."""
     import warnings
 
     from shardgather import _node_local
 
     model, plain = _build("fsdp2", world, seed=0)
     _node_local.shm_free_bytes = lambda: 0
+    if not memfd:
+        _node_local.memfd_shareable = lambda: False  # e.g. ranks in other pid namespaces
+    from shardgather import _forward
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = sg.full_state_dict(model, transport="shm")
     msgs = [str(w.message) for w in caught if "node-local" in str(w.message)]
+    if _forward.STATS["sent"] or _forward.STATS["received"]:
+        msgs.append(f"one host, yet pieces travelled point to point: {_forward.STATS}")
     problems = _check(rank, got, plain.state_dict(), True)
-    return {"warnings": msgs if rank == 0 else [], "problems": problems}
+    # Node-local outputs are views of a mapped region; the collective path's are not.
+    node_local = rank == 0 and got["embed.weight"].untyped_storage().filename is not None
+    return {"warnings": msgs if rank == 0 else [], "problems": problems, "node_local": node_local}
 
 
 OPTIM_CASES = {

@@ -88,9 +88,17 @@ def test_node_local_rank_dying_leaves_no_shared_memory() -> None:
 
 
 def test_shm_too_small_falls_back_with_one_warning() -> None:
-    results = dist_harness.run("tests.scenarios:shm_too_small", 2)
+    results = dist_harness.run("tests.scenarios:shm_too_small", 2, memfd=False)
     assert not [p for r in results for p in r["problems"]]
     assert len(results[0]["warnings"]) == 1 and "free" in results[0]["warnings"][0]
+    assert not results[0]["node_local"]
+
+
+def test_full_dev_shm_does_not_matter_with_a_memfd() -> None:
+    # Docker caps /dev/shm at 64 MiB by default; rank 0's memfd is not in /dev/shm.
+    results = dist_harness.run("tests.scenarios:shm_too_small", 2, memfd=True)
+    assert not [p for r in results for p in r["problems"]]
+    assert results[0]["warnings"] == [] and results[0]["node_local"]
 
 
 @pytest.mark.parametrize("case", list(MIXED_HOST_CASES))
