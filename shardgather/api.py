@@ -137,7 +137,8 @@ def full_state_dict(
             and a pinned slab per rank, so every GPU uses its own link); ranks on other
             hosts send only their pieces to rank 0. Otherwise bucketed collectives.
             ``"shm"``: ask for the former (warns once and falls back when impossible,
-            e.g. /dev/shm too small). ``"collective"``: always the latter.
+            e.g. no memfd shareable and /dev/shm too small). ``"collective"``: always the
+            latter.
 
     Returns:
         ``dict[str, Tensor]``: CPU tensors with the plain model's shapes and strides.
