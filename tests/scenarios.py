@@ -390,6 +390,10 @@ def _build(kind: str, world: int, seed: int, tied: bool = True) -> tuple[nn.Modu
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, plain
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model), plain
     return model, plain
 
 
@@ -639,6 +643,8 @@ OPTIM_CASES = {
     "fsdp1_orig-world3-sgd_momentum": (3, "fsdp1-orig", "fsdp1-orig", "sgd"),
     "hsdp-adamw": (4, "fsdp2-hsdp", "fsdp2-hsdp", "adamw"),
     "fsdp1->fsdp2-adamw": (2, "fsdp1-orig", "fsdp2", "adamw"),
+    # Resume a sharded run as a DDP one (every rank loads the whole state).
+    "fsdp2->ddp-adamw": (2, "fsdp2", "ddp", "adamw"),
     # A frozen bf16 parameter next to trainable fp32 ones: it has no optimizer state.
     "fsdp2_frozen_bf16-adamw": (2, "fsdp2-frozen", "fsdp2-frozen", "adamw"),
 }
