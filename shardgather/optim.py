@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,7 +293,9 @@ def load_full_optim_state_dict(
 ) -> None:
     """Load a full optimizer state (from :func:`full_optim_state_dict`, any world size
     or FSDP flavour) into ``optimizer``: each rank keeps only its shard of every state
-    tensor. ``osd`` on every rank, or on rank 0 only (``{}`` elsewhere: broadcast).
+    tensor. ``osd`` on every rank, or on rank 0 only (``{}`` elsewhere: its scalars and
+    shapes are broadcast once, then its tensors one at a time as each rank needs them,
+    so no rank ever holds more of rank 0's state than one tensor).
 
     Raises:
         StateDictMismatchError: the param groups or parameter names do not match;
@@ -301,13 +304,12 @@ def load_full_optim_state_dict(
     plan = build_plan(model)
     agree(plan, timeout)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        has = [bool(osd)]
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, has[0])
+        dist.all_gather_object(everyone, bool(osd))
         if not all(everyone):
-            box = [osd if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            osd = box[0]
+            if not everyone[0]:
+                raise ShardGatherError("load_full_optim_state_dict: rank 0 has no osd to load")
+            osd = _from_rank0(osd if dist.get_rank() == 0 else None)
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise ShardGatherError(
             "osd must be a dict with 'state' and 'param_groups' "
@@ -347,12 +349,90 @@ def load_full_optim_state_dict(
     optimizer.load_state_dict({"state": state, "param_groups": out_groups})
 
 
-def _local_state(r: _ParamRef, plan: GatherPlan, full_state: dict[str, Any]) -> dict[str, Any]:
+def _from_rank0(osd: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's osd as every rank sees it: param groups and scalars broadcast once,
+    state tensors broadcast when read (_Rank0State)."""
+    skeleton: list[Any] = [None]
+    if osd is not None:
+        if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+            skeleton[0] = {"bad": True}
+        else:
+            skeleton[0] = {
+                "param_groups": osd["param_groups"],
+                "state": {
+                    k: {
+                        n: ("tensor", tuple(v.shape), v.dtype)
+                        if isinstance(v, torch.Tensor)
+                        else ("value", v)
+                        for n, v in st.items()
+                    }
+                    for k, st in osd["state"].items()
+                },
+            }
+    dist.broadcast_object_list(skeleton, src=0)
+    if skeleton[0].get("bad"):
+        return {}
+    real = osd["state"] if osd is not None else None
+    return {
+        "param_groups": skeleton[0]["param_groups"],
+        "state": _Rank0State(skeleton[0]["state"], real),
+    }
+
+
+class _Rank0State(Mapping):
+    """``{key: {name: value}}`` of rank 0's optimizer state on every rank: scalars from
+    the skeleton, each tensor broadcast from rank 0 when read. Every rank must read the
+    same tensors in the same order (``_local_state`` does)."""
+
+    def __init__(self, skeleton: dict[str, dict[str, Any]], real: Mapping | None) -> None:
+        self._skeleton = skeleton
+        self._real = real
+
+    def __getitem__(self, key: str) -> Mapping[str, Any]:
+        if key not in self._skeleton:
+            raise KeyError(key)
+        return _Rank0Entry(self._skeleton[key], self._real[key] if self._real else None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._skeleton)
+
+    def __len__(self) -> int:
+        return len(self._skeleton)
+
+
+class _Rank0Entry(Mapping):
+    def __init__(self, skeleton: dict[str, tuple], real: Mapping | None) -> None:
+        self._skeleton = skeleton
+        self._real = real
+
+    def __getitem__(self, name: str) -> Any:
+        kind, *rest = self._skeleton[name]
+        if kind == "value":
+            return rest[0]
+        from .checkpoint import _receive
+
+        mine = self._real[name] if self._real is not None else None
+        return _receive(mine, (rest[0], rest[1])).cpu()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._skeleton)
+
+    def __len__(self) -> int:
+        return len(self._skeleton)
+
+
+def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's shard of every state value of one optimizer parameter."""
-    if r.kind == "orig" and r.param.numel() == 0:
-        return {}  # as torch leaves it: no elements here, no state
     per_key = [full_state.get(k, {}) for k in r.keys]
     names = sorted({n for st in per_key for n in st})
+    if r.kind == "orig" and r.param.numel() == 0:
+        # As torch leaves it: no elements here, no state. Rank 0's state is read anyway
+        # (broadcasts, when only rank 0 has it: every rank takes part in each one).
+        if isinstance(full_state, _Rank0State):
+            for name in names:
+                for st in per_key:
+                    st.get(name)
+        return {}
     out: dict[str, Any] = {}
     src = r.source
     for name in names:

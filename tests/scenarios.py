@@ -581,6 +581,29 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
     with peak_rss_rise() as m:
         sg.save_checkpoint(path + ".ckpt", model, opt)
     out["checkpoint_rise"] = m["peak_rise"]
+    # Loading an optimizer state that only rank 0 holds: the other ranks never hold more
+    # of it than one full tensor at a time (besides their own new shards).
+    from shardgather._plan import build_plan
+
+    osd = sg.full_optim_state_dict(model, opt)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_optim_state_dict(model, fresh, osd)
+    out["optim_load_rise"] = m["peak_rise"]
+    out["own_state_bytes"] = sum(
+        t.numel() * t.element_size()
+        for st in fresh.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
+    out["largest_tensor_bytes"] = max(e.nbytes for e in build_plan(model).entries.values())
+    out["osd_bytes"] = sum(
+        t.numel() * t.element_size()
+        for st in osd.get("state", {}).values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
     return out
 
 
