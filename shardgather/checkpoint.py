@@ -17,7 +17,7 @@ from torch import nn
 
 from . import _layout as L
 from . import _node_local, _ops
-from ._collectives import agree, bucket_parts, gather_buckets
+from ._collectives import agree, bucket_parts, gather_buckets, wait_or_raise
 from ._plan import Entry, GatherPlan, _memory_order_flat, build_plan
 from .api import (
     DEFAULT_TIMEOUT,
@@ -480,10 +480,10 @@ def load_full_state_dict(
     plan = build_plan(model)
     agree(plan, timeout)
     if isinstance(source, Mapping):
-        return _load_from_dict(plan, dict(source), strict, "the state dict")
+        return _load_from_dict(plan, dict(source), strict, "the state dict", timeout)
     path = os.fspath(source)
     if not _looks_like_safetensors(path):
-        return _load_from_dict(plan, _torch_file(path), strict, path)
+        return _load_from_dict(plan, _torch_file(path), strict, path, timeout)
     header = read_header(path)
     result = _validate(plan, _header_shapes(header), strict, path)
     error = ""
@@ -536,9 +536,14 @@ def _header_shapes(header: Header) -> dict[str, tuple[tuple[int, ...], torch.dty
 
 
 def _load_from_dict(
-    plan: GatherPlan, sd: dict[str, torch.Tensor], strict: bool, what: str
+    plan: GatherPlan,
+    sd: dict[str, torch.Tensor],
+    strict: bool,
+    what: str,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> LoadResult:
-    """Every rank holds the dict (or rank 0 alone, then it is sent tensor by tensor)."""
+    """Every rank holds the dict, or rank 0 alone: then rank 0 sends every rank just its
+    own elements of each tensor, point to point (one tensor in flight)."""
     everyone_has = True
     if dist.is_initialized() and dist.get_world_size() > 1:
         flags: list[Any] = [None] * dist.get_world_size()
@@ -554,12 +559,13 @@ def _load_from_dict(
     result = _validate(plan, shapes, strict, what)
     error = ""
     try:
-        for key, e in plan.entries.items():
-            src_key = _source_key(plan, key, shapes)
-            if src_key is None:
-                continue
-            full = sd.get(src_key) if everyone_has else _receive(sd.get(src_key), shapes[src_key])
-            _copy_in_entry(e, full)
+        if everyone_has:
+            for key, e in plan.entries.items():
+                src_key = _source_key(plan, key, shapes)
+                if src_key is not None:
+                    _copy_in_entry(e, sd[src_key])
+        else:
+            error = _scatter_from_rank0(plan, sd, shapes, timeout)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     failures = _all_ok(not error, error)
@@ -582,17 +588,90 @@ def _receive(t: torch.Tensor | None, meta: tuple[tuple[int, ...], torch.dtype]) 
     return buf
 
 
-def _copy_in_entry(e: Entry, full: torch.Tensor) -> None:
-    """This rank's elements of one entry, from a full tensor, into its shard storage."""
-    row, first_row = _local_row(e)
+def _own_range(e: Entry) -> tuple[int, int]:
+    """This rank's elements of ``e`` (memory order): its row's, or all of a local tensor."""
     src = e.source
-    lo, hi = _elems_in_row(e.base, src.row_numel, e.numel, first_row)
-    if hi <= lo:
-        return
+    return _elems_in_row(e.base, src.row_numel, e.numel, src.rank)
+
+
+def _flat_of(e: Entry, full: torch.Tensor) -> torch.Tensor:
+    """``full`` in ``e``'s memory order, flattened."""
     t = full.detach()
     if not e.is_contiguous:
         t = torch.empty_strided(tuple(e.shape), e.stride, dtype=t.dtype, device=t.device).copy_(t)
-    flat = _memory_order_flat(t.contiguous() if e.is_contiguous else t)[lo:hi]
+    return _memory_order_flat(t.contiguous() if e.is_contiguous else t)
+
+
+def _scatter_from_rank0(
+    plan: GatherPlan,
+    sd: dict[str, torch.Tensor],
+    shapes: dict[str, tuple],
+    timeout: datetime.timedelta,
+) -> str:
+    """Rank 0 sends each rank its own elements of every tensor (all of a tensor every
+    rank holds in full); everyone copies them in. Returns "" or what failed here; after
+    a failure the exchange still runs its course so that nobody hangs."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine: dict[str, tuple[int, int]] = {}
+    for key, e in plan.entries.items():
+        if _source_key(plan, key, shapes) is not None:
+            lo, hi = _own_range(e)
+            if hi > lo:
+                mine[key] = (lo, hi)
+    ranges: list[Any] = [None] * world
+    dist.all_gather_object(ranges, mine)
+    nccl = "nccl" in str(dist.get_backend()).lower()
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    error = ""
+    for key, e in plan.entries.items():
+        src_key = _source_key(plan, key, shapes)
+        if src_key is None:
+            continue
+        dtype = shapes[src_key][1]
+        if rank == 0:
+            flat = None
+            try:
+                flat = _flat_of(e, sd[src_key]).to(device)
+            except Exception as exc:
+                error = error or f"{key}: {type(exc).__name__}: {exc}"
+            works = []
+            for r in range(1, world):
+                if key in ranges[r]:
+                    lo, hi = ranges[r][key]
+                    part = (
+                        flat[lo:hi].contiguous()
+                        if flat is not None
+                        else torch.zeros(hi - lo, dtype=dtype, device=device)
+                    )
+                    works.append(dist.isend(part, dst=r))
+            if key in mine and flat is not None and not error:
+                _copy_in_slice(e, *mine[key], flat[mine[key][0] : mine[key][1]])
+            for w in works:
+                wait_or_raise(w, timeout, f"sending {key}")
+        elif key in mine:
+            lo, hi = mine[key]
+            buf = torch.empty(hi - lo, dtype=dtype, device=device)
+            wait_or_raise(dist.irecv(buf, src=0), timeout, f"receiving {key} from rank 0")
+            if not error:
+                try:
+                    _copy_in_slice(e, lo, hi, buf)
+                except Exception as exc:
+                    error = f"{key}: {type(exc).__name__}: {exc}"
+    return error
+
+
+def _copy_in_entry(e: Entry, full: torch.Tensor) -> None:
+    """This rank's elements of one entry, from a full tensor, into its shard storage."""
+    lo, hi = _own_range(e)
+    if hi > lo:
+        _copy_in_slice(e, lo, hi, _flat_of(e, full)[lo:hi])
+
+
+def _copy_in_slice(e: Entry, lo: int, hi: int, flat: torch.Tensor) -> None:
+    """Elements ``lo:hi`` (memory order) of ``e``, given as ``flat``, into this rank's
+    shard storage (cast to its dtype)."""
+    row, first_row = _local_row(e)
+    src = e.source
     if row.is_cuda:
         flat = flat.to(row.device)
     elif flat.device.type != "cpu":

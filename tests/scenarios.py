@@ -815,7 +815,7 @@ def ckpt_load(rank: int, world: int, path: str, kind: str, saved_path: str) -> d
     return {"problems": problems}
 
 
-def load_sources(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+def load_sources(rank: int, world: int, path: str, load_kind: str = "fsdp2") -> dict:  # type: ignore[type-arg]
     """load_full_state_dict from a torch file (mmap), a dict on every rank, and a dict on
     rank 0 only; each into a fresh FSDP model, bit-exact."""
     saved, _ = _build("fsdp1", world, seed=0)
@@ -826,13 +826,31 @@ def load_sources(rank: int, world: int, path: str) -> dict:  # type: ignore[type
         torch.save({"state_dict": {"module." + k: v for k, v in want.items()}}, path)
     dist.barrier()
     problems: list[str] = []
+    received = [0]
+    real_irecv = dist.irecv
+
+    def counting_irecv(tensor, *a, **k):  # type: ignore[no-untyped-def]
+        received[0] += tensor.numel() * tensor.element_size()
+        return real_irecv(tensor, *a, **k)
+
     for name, source in {
         "torch file": path,
         "dict on every rank": want,
         "dict on rank 0 only": want if rank == 0 else {},
     }.items():
-        model, _ = _build("fsdp2", world, seed=1)
-        res = sg.load_full_state_dict(model, source)
+        model, _ = _build(load_kind, world, seed=1)
+        dist.irecv = counting_irecv
+        try:
+            res = sg.load_full_state_dict(model, source)
+        finally:
+            dist.irecv = real_irecv
+        if name == "dict on rank 0 only" and rank != 0:
+            # Only this rank's elements travel to it, not every tensor.
+            total = sum(
+                v.numel() * v.element_size() for k, v in want.items() if k != "lm_head.weight"
+            )
+            if not 0 < received[0] < 0.6 * total:
+                problems.append(f"rank {rank} received {received[0]} of {total} bytes")
         got = sg.full_state_dict(model)
         if rank == 0:
             problems += [f"{name}: " + p for p in diff_state_dicts(got, want, order=False)]

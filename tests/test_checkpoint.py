@@ -122,8 +122,16 @@ def test_shape_mismatch_names_the_key_and_changes_nothing(tmp_path) -> None:  # 
     assert not diff_state_dicts(model.state_dict(), before)
 
 
-def test_load_from_torch_file_and_dicts(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    results = dist_harness.run("tests.scenarios:load_sources", 2, path=str(tmp_path / "model.pt"))
+@pytest.mark.parametrize(
+    ("load_kind", "world"), [("fsdp2", 2), ("fsdp1-orig", 3), ("fsdp2-hsdp", 4)]
+)
+def test_load_from_torch_file_and_dicts(tmp_path, load_kind: str, world: int) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run(
+        "tests.scenarios:load_sources",
+        world,
+        path=str(tmp_path / "model.pt"),
+        load_kind=load_kind,
+    )
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
 
