@@ -452,7 +452,8 @@ def load_full_state_dict(
     (plus the small tensors every rank holds in full, such as buffers) through a
     bounded staging buffer; a torch file is memory-mapped, so only the pages of a
     rank's own elements are read; a dict is used where it is, or — when only rank 0
-    has it (``{}`` elsewhere) — sent one tensor at a time. The copy-in op writes the
+    has it (``{}`` elsewhere) — rank 0 sends each rank just its own elements of each
+    tensor, one tensor at a time. The copy-in op writes the
     elements (cast where the source holds another float dtype) into the local shard
     storage. No all-gather. Keys and shapes are validated first: on a mismatch nothing
     is modified.
