@@ -1,7 +1,7 @@
 """Node-local transport: no collective moves data. Every rank on rank 0's host writes
 its *own* pieces (_pieces.py) of every parameter straight to their final offsets in a
-shared file — a /dev/shm region that becomes rank 0's output tensors, or the
-checkpoint file itself — with ``pwrite`` (through a small staging buffer when
+shared file — a shared-memory region (a memfd of rank 0, else a /dev/shm file) that
+becomes rank 0's output tensors, or the checkpoint file itself — with ``pwrite`` (through a small staging buffer when
 casting). Writes go to the shared page cache, so no rank's RSS grows by more than
 that staging buffer. Ranks on other hosts send their pieces to rank 0 point to point
 (_forward.py), which writes them the same way.
@@ -24,7 +24,8 @@ from ._pieces import pieces_of
 from ._plan import Entry, GatherPlan
 
 SHM_DIR = "/dev/shm"
-_HOSTS: dict[int, list[str]] = {}
+# Per process group (world size + identity of the default group): probed once each.
+_HOSTS: dict[tuple[int, int], list[str]] = {}
 
 
 def _host_id() -> str:
@@ -48,14 +49,15 @@ def host_ids() -> list[str]:
     if not dist.is_initialized():
         return [_host_id()]
     world = dist.get_world_size()
-    if world not in _HOSTS:
+    key = (world, id(dist.group.WORLD))
+    if key not in _HOSTS:
         hosts: list[object] = [None] * world
         dist.all_gather_object(hosts, _host_id())
-        _HOSTS[world] = [str(h) for h in hosts]
-    return _HOSTS[world]
+        _HOSTS[key] = [str(h) for h in hosts]
+    return _HOSTS[key]
 
 
-_MEMFD: dict[int, bool] = {}
+_MEMFD: dict[tuple[int, int], bool] = {}
 
 
 def memfd_shareable() -> bool:
@@ -67,7 +69,8 @@ def memfd_shareable() -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world not in _MEMFD:
+    key = (world, id(dist.group.WORLD))
+    if key not in _MEMFD:
         hosts = host_ids()  # collective: every rank, before anything rank-dependent
         fd = -1
         path: list[str | None] = [None]
@@ -88,8 +91,8 @@ def memfd_shareable() -> bool:
         dist.all_gather_object(oks, ok)
         if fd >= 0:
             os.close(fd)
-        _MEMFD[world] = all(bool(o) for o in oks)
-    return _MEMFD[world]
+        _MEMFD[key] = all(bool(o) for o in oks)
+    return _MEMFD[key]
 
 
 def remote_holders(plan: GatherPlan, participating: Callable[[int], bool]) -> list[int]:
