@@ -294,8 +294,8 @@ def load_full_optim_state_dict(
     """Load a full optimizer state (from :func:`full_optim_state_dict`, any world size
     or FSDP flavour) into ``optimizer``: each rank keeps only its shard of every state
     tensor. ``osd`` on every rank, or on rank 0 only (``{}`` elsewhere: its scalars and
-    shapes are broadcast once, then its tensors one at a time as each rank needs them,
-    so no rank ever holds more of rank 0's state than one tensor).
+    shapes are broadcast once, then rank 0 sends every rank just its own elements of
+    each state tensor, one tensor at a time).
 
     Raises:
         StateDictMismatchError: the param groups or parameter names do not match;
@@ -309,7 +309,7 @@ def load_full_optim_state_dict(
         if not all(everyone):
             if not everyone[0]:
                 raise ShardGatherError("load_full_optim_state_dict: rank 0 has no osd to load")
-            osd = _from_rank0(osd if dist.get_rank() == 0 else None)
+            osd = _from_rank0(osd if dist.get_rank() == 0 else None, plan)
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise ShardGatherError(
             "osd must be a dict with 'state' and 'param_groups' "
@@ -332,6 +332,8 @@ def load_full_optim_state_dict(
                 sorted(set(mine) - set(saved["params"])),
                 sorted(set(saved["params"]) - set(mine)),
             )
+    if isinstance(osd["state"], _Rank0State):
+        osd["state"].exchange_ranges(plan, [r for rs in groups for r in rs])
     state: dict[int, dict[str, Any]] = {}
     out_groups = []
     idx = 0
@@ -349,9 +351,21 @@ def load_full_optim_state_dict(
     optimizer.load_state_dict({"state": state, "param_groups": out_groups})
 
 
-def _from_rank0(osd: dict[str, Any] | None) -> dict[str, Any]:
+def _skeleton_value(v: Any, entry: Entry | None) -> tuple:
+    """How one state value of rank 0 travels: a tensor shaped like its parameter as
+    per-rank slices, other tensors whole when read, anything else in the skeleton."""
+    if not isinstance(v, torch.Tensor):
+        return ("value", v)
+    if entry is not None and v.dim() > 0 and tuple(v.shape) == tuple(entry.shape):
+        return ("slice", v.dtype)
+    if v.numel() <= 64:
+        return ("value", v)
+    return ("tensor", tuple(v.shape), v.dtype)
+
+
+def _from_rank0(osd: dict[str, Any] | None, plan: GatherPlan) -> dict[str, Any]:
     """Rank 0's osd as every rank sees it: param groups and scalars broadcast once,
-    state tensors broadcast when read (_Rank0State)."""
+    state tensors sent when read (_Rank0State)."""
     skeleton: list[Any] = [None]
     if osd is not None:
         if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
@@ -360,12 +374,7 @@ def _from_rank0(osd: dict[str, Any] | None) -> dict[str, Any]:
             skeleton[0] = {
                 "param_groups": osd["param_groups"],
                 "state": {
-                    k: {
-                        n: ("tensor", tuple(v.shape), v.dtype)
-                        if isinstance(v, torch.Tensor)
-                        else ("value", v)
-                        for n, v in st.items()
-                    }
+                    k: {n: _skeleton_value(v, plan.entries.get(k)) for n, v in st.items()}
                     for k, st in osd["state"].items()
                 },
             }
@@ -387,11 +396,19 @@ class _Rank0State(Mapping):
     def __init__(self, skeleton: dict[str, dict[str, Any]], real: Mapping | None) -> None:
         self._skeleton = skeleton
         self._real = real
+        self.ranges: list[dict[str, tuple[int, int]]] = []  # every rank's, per key
+
+    def exchange_ranges(self, plan: GatherPlan, refs: list[_ParamRef]) -> None:
+        """Every rank's element range of every key it loads, known to rank 0."""
+        mine = {k: _own_range(plan.entries[k], r.source) for r in refs for k in r.keys}
+        self.ranges = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(self.ranges, mine)
 
     def __getitem__(self, key: str) -> Mapping[str, Any]:
         if key not in self._skeleton:
             raise KeyError(key)
-        return _Rank0Entry(self._skeleton[key], self._real[key] if self._real else None)
+        real = self._real[key] if self._real else None
+        return _Rank0Entry(self, key, self._skeleton[key], real)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._skeleton)
@@ -401,7 +418,11 @@ class _Rank0State(Mapping):
 
 
 class _Rank0Entry(Mapping):
-    def __init__(self, skeleton: dict[str, tuple], real: Mapping | None) -> None:
+    def __init__(
+        self, state: _Rank0State, key: str, skeleton: dict[str, tuple], real: Mapping | None
+    ) -> None:
+        self._state = state
+        self._key = key
         self._skeleton = skeleton
         self._real = real
 
@@ -409,9 +430,11 @@ class _Rank0Entry(Mapping):
         kind, *rest = self._skeleton[name]
         if kind == "value":
             return rest[0]
+        mine = self._real[name] if self._real is not None else None
+        if kind == "slice":
+            return _RemoteSlice(self._state, self._key, rest[0], mine)
         from .checkpoint import _receive
 
-        mine = self._real[name] if self._real is not None else None
         return _receive(mine, (rest[0], rest[1])).cpu()
 
     def __iter__(self) -> Iterator[str]:
@@ -419,6 +442,52 @@ class _Rank0Entry(Mapping):
 
     def __len__(self) -> int:
         return len(self._skeleton)
+
+
+class _RemoteSlice:
+    """A state tensor shaped like its parameter that only rank 0 holds: ``fetch`` gives
+    this rank its own elements. Every rank calls it at the same point; rank 0 then
+    sends every other rank its range of the tensor, point to point."""
+
+    def __init__(
+        self, state: _Rank0State, key: str, dtype: torch.dtype, full: torch.Tensor | None
+    ) -> None:
+        self.state, self.key, self.dtype, self.full = state, key, dtype, full
+
+    def fetch(self, e: Entry, lo: int, hi: int) -> torch.Tensor:
+        nccl = "nccl" in str(dist.get_backend()).lower()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        if dist.get_rank() == 0:
+            assert self.full is not None
+            flat = _flat_in_memory_order(e, self.full).to(device)
+            works = []
+            for r, ranges in enumerate(self.state.ranges):
+                a, b = ranges.get(self.key, (0, 0))
+                if r != 0 and b > a:
+                    works.append(dist.isend(flat[a:b].contiguous(), dst=r))
+            for w in works:
+                w.wait()
+            return flat[lo:hi].cpu()
+        buf = torch.empty(max(hi - lo, 0), dtype=self.dtype, device=device)
+        if hi > lo:
+            dist.irecv(buf, src=0).wait()
+        return buf.cpu()
+
+
+def _flat_in_memory_order(e: Entry, v: torch.Tensor) -> torch.Tensor:
+    laid = (
+        v
+        if e.is_contiguous
+        else torch.empty_strided(tuple(e.shape), e.stride, dtype=v.dtype).copy_(v)
+    )
+    return _memory_order_flat(laid.contiguous() if e.is_contiguous else laid)
+
+
+def _own_range(e: Entry, src: Source) -> tuple[int, int]:
+    """This rank's elements of ``e`` (memory order) in its row of ``src``."""
+    from .checkpoint import _elems_in_row
+
+    return _elems_in_row(e.base, src.row_numel, e.numel, src.rank)
 
 
 def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -430,15 +499,17 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
         # (broadcasts, when only rank 0 has it: every rank takes part in each one).
         if isinstance(full_state, _Rank0State):
             for name in names:
-                for st in per_key:
-                    st.get(name)
+                for k, st in zip(r.keys, per_key):
+                    v = st.get(name)
+                    if isinstance(v, _RemoteSlice):
+                        v.fetch(plan.entries[k], *_own_range(plan.entries[k], r.source))
         return {}
     out: dict[str, Any] = {}
     src = r.source
     for name in names:
         vals = [st.get(name) for st in per_key]
         v0 = next(v for v in vals if v is not None)
-        full_elem = (
+        full_elem = isinstance(v0, _RemoteSlice) or (
             isinstance(v0, torch.Tensor)
             and v0.dim() > 0
             and tuple(v0.shape) == tuple(plan.entries[r.keys[0]].shape)
@@ -453,6 +524,24 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
             if v is None:
                 continue
             e = plan.entries[k]
+            if isinstance(v, _RemoteSlice):
+                lo, hi = _own_range(e, src)
+                part = v.fetch(e, lo, hi)
+                if hi > lo:
+                    fulls.append(part)
+                    segs.append(
+                        L.Segment(
+                            e.base + lo,
+                            src.row_numel,
+                            0,
+                            hi - lo,
+                            len(fulls) - 1,
+                            0,
+                            L.kind_of(dtype),
+                            L.kind_of(part.dtype),
+                        )
+                    )
+                continue
             laid = (
                 v
                 if e.is_contiguous

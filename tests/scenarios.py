@@ -582,7 +582,7 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
         sg.save_checkpoint(path + ".ckpt", model, opt)
     out["checkpoint_rise"] = m["peak_rise"]
     # Loading an optimizer state that only rank 0 holds: the other ranks never hold more
-    # of it than one full tensor at a time (besides their own new shards).
+    # of it than their slice of one tensor at a time (besides their own new shards).
     from shardgather._plan import build_plan
 
     osd = sg.full_optim_state_dict(model, opt)

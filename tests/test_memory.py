@@ -38,8 +38,9 @@ def test_full_state_dict_save_and_load_stay_within_budget(tmp_path) -> None:  # 
         assert r["load_rise"] <= staging + slack, results
         # Model + optimizer state (3x the model) in one checkpoint: still staging only.
         assert r["checkpoint_rise"] <= staging + slack, results
-    # Optimizer state held by rank 0 only: rank 1 receives one tensor at a time and keeps
-    # only its own shards (not the whole state, as a pickled broadcast would).
+    # Optimizer state held by rank 0 only: rank 1 receives its own slice of one tensor
+    # at a time and keeps only its own shards (not the whole state, as a pickled
+    # broadcast would).
     assert r0["osd_bytes"] > 2 * r1["own_state_bytes"] * 0.9, results
-    bound = r1["own_state_bytes"] + r1["largest_tensor_bytes"] + slack
+    bound = r1["own_state_bytes"] + r1["largest_tensor_bytes"] // 2 + slack
     assert r1["optim_load_rise"] <= bound, results
