@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _layout as L
 from . import _ops
-from ._collectives import agree
+from ._collectives import agree, wait_or_raise
 from ._plan import Entry, GatherPlan, Source, _fingerprint, _memory_order_flat, build_plan
 from .api import DEFAULT_TIMEOUT, _verify_options, _verify_transport, gather_plan
 from .errors import ShardGatherError, StateDictMismatchError
@@ -309,7 +309,7 @@ def load_full_optim_state_dict(
         if not all(everyone):
             if not everyone[0]:
                 raise ShardGatherError("load_full_optim_state_dict: rank 0 has no osd to load")
-            osd = _from_rank0(osd if dist.get_rank() == 0 else None, plan)
+            osd = _from_rank0(osd if dist.get_rank() == 0 else None, plan, timeout)
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise ShardGatherError(
             "osd must be a dict with 'state' and 'param_groups' "
@@ -363,7 +363,9 @@ def _skeleton_value(v: Any, entry: Entry | None) -> tuple:
     return ("tensor", tuple(v.shape), v.dtype)
 
 
-def _from_rank0(osd: dict[str, Any] | None, plan: GatherPlan) -> dict[str, Any]:
+def _from_rank0(
+    osd: dict[str, Any] | None, plan: GatherPlan, timeout: datetime.timedelta
+) -> dict[str, Any]:
     """Rank 0's osd as every rank sees it: param groups and scalars broadcast once,
     state tensors sent when read (_Rank0State)."""
     skeleton: list[Any] = [None]
@@ -384,7 +386,7 @@ def _from_rank0(osd: dict[str, Any] | None, plan: GatherPlan) -> dict[str, Any]:
     real = osd["state"] if osd is not None else None
     return {
         "param_groups": skeleton[0]["param_groups"],
-        "state": _Rank0State(skeleton[0]["state"], real),
+        "state": _Rank0State(skeleton[0]["state"], real, timeout),
     }
 
 
@@ -393,9 +395,15 @@ class _Rank0State(Mapping):
     the skeleton, each tensor broadcast from rank 0 when read. Every rank must read the
     same tensors in the same order (``_local_state`` does)."""
 
-    def __init__(self, skeleton: dict[str, dict[str, Any]], real: Mapping | None) -> None:
+    def __init__(
+        self,
+        skeleton: dict[str, dict[str, Any]],
+        real: Mapping | None,
+        timeout: datetime.timedelta,
+    ) -> None:
         self._skeleton = skeleton
         self._real = real
+        self.timeout = timeout
         self.ranges: list[dict[str, tuple[int, int]]] = []  # every rank's, per key
 
     def exchange_ranges(self, plan: GatherPlan, refs: list[_ParamRef]) -> None:
@@ -466,11 +474,12 @@ class _RemoteSlice:
                 if r != 0 and b > a:
                     works.append(dist.isend(flat[a:b].contiguous(), dst=r))
             for w in works:
-                w.wait()
+                wait_or_raise(w, self.state.timeout, f"sending state of {self.key}")
             return flat[lo:hi].cpu()
         buf = torch.empty(max(hi - lo, 0), dtype=self.dtype, device=device)
         if hi > lo:
-            dist.irecv(buf, src=0).wait()
+            work = dist.irecv(buf, src=0)
+            wait_or_raise(work, self.state.timeout, f"receiving state of {self.key}")
         return buf.cpu()
 
 
