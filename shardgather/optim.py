@@ -25,6 +25,7 @@ from . import _ops
 from ._collectives import agree, wait_or_raise
 from ._plan import Entry, GatherPlan, Source, _fingerprint, _memory_order_flat, build_plan
 from .api import DEFAULT_TIMEOUT, _verify_options, _verify_transport, gather_plan
+from .checkpoint import _elems_in_row, _flat_of, _receive
 from .errors import ShardGatherError, StateDictMismatchError
 
 
@@ -441,8 +442,6 @@ class _Rank0Entry(Mapping):
         mine = self._real[name] if self._real is not None else None
         if kind == "slice":
             return _RemoteSlice(self._state, self._key, rest[0], mine)
-        from .checkpoint import _receive
-
         return _receive(mine, (rest[0], rest[1])).cpu()
 
     def __iter__(self) -> Iterator[str]:
@@ -467,7 +466,7 @@ class _RemoteSlice:
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         if dist.get_rank() == 0:
             assert self.full is not None
-            flat = _flat_in_memory_order(e, self.full).to(device)
+            flat = _flat_of(e, self.full).to(device)
             works = []
             for r, ranges in enumerate(self.state.ranges):
                 a, b = ranges.get(self.key, (0, 0))
@@ -483,19 +482,8 @@ class _RemoteSlice:
         return buf.cpu()
 
 
-def _flat_in_memory_order(e: Entry, v: torch.Tensor) -> torch.Tensor:
-    laid = (
-        v
-        if e.is_contiguous
-        else torch.empty_strided(tuple(e.shape), e.stride, dtype=v.dtype).copy_(v)
-    )
-    return _memory_order_flat(laid.contiguous() if e.is_contiguous else laid)
-
-
 def _own_range(e: Entry, src: Source) -> tuple[int, int]:
     """This rank's elements of ``e`` (memory order) in its row of ``src``."""
-    from .checkpoint import _elems_in_row
-
     return _elems_in_row(e.base, src.row_numel, e.numel, src.rank)
 
 
@@ -551,12 +539,7 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
                         )
                     )
                 continue
-            laid = (
-                v
-                if e.is_contiguous
-                else torch.empty_strided(tuple(e.shape), e.stride, dtype=v.dtype).copy_(v)
-            )
-            fulls.append(_memory_order_flat(laid.contiguous() if e.is_contiguous else laid))
+            fulls.append(_flat_of(e, v))
             segs.append(
                 L.Segment(
                     e.base,
