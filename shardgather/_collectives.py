@@ -157,6 +157,54 @@ def wait_or_raise(work, timeout: datetime.timedelta, what: str) -> None:  # type
         raise CollectiveError(f"rank {dist.get_rank()}: {what} timed out after {timeout}")
 
 
+def p2p_device() -> torch.device:
+    """Where tensors sent point to point (or broadcast) on the default group must live:
+    the CPU when its backend moves CPU tensors (gloo, mpi), else the current GPU."""
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def scatter_slice(
+    flat: torch.Tensor | None,
+    ranges: list[tuple[int, int] | None],
+    dtype: torch.dtype,
+    timeout: datetime.timedelta,
+    what: str,
+    consume: Callable[[torch.Tensor], None],
+) -> None:
+    """Rank 0 sends every other rank its ``ranges[rank]`` of ``flat`` (1-D, on
+    ``p2p_device()``; None when rank 0 could not build it: zeros go out, so nobody
+    hangs), point to point; each rank hands its own slice to ``consume`` (rank 0 while
+    its sends are in flight). Every rank calls it for the same tensors in the same order.
+    """
+    device = p2p_device()
+    rank = dist.get_rank()
+    lo, hi = ranges[rank] or (0, 0)
+    if rank != 0:
+        if hi > lo:
+            buf = torch.empty(hi - lo, dtype=dtype, device=device)
+            wait_or_raise(dist.irecv(buf, src=0), timeout, f"receiving {what} from rank 0")
+            consume(buf)
+        return
+    works = []
+    for r, rg in enumerate(ranges):
+        if r == 0 or rg is None or rg[1] <= rg[0]:
+            continue
+        a, b = rg
+        part = (
+            flat[a:b].contiguous()
+            if flat is not None
+            else torch.zeros(b - a, dtype=dtype, device=device)
+        )
+        works.append(dist.isend(part, dst=r))
+    if hi > lo and flat is not None:
+        consume(flat[lo:hi])
+    for w in works:
+        wait_or_raise(w, timeout, f"sending {what}")
+
+
 def _collective_device(bucket: Bucket, fallback: torch.device) -> torch.device:
     backend = dist.get_backend(bucket.group)
     if "nccl" in str(backend).lower():

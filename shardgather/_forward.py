@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._collectives import wait_or_raise
-from ._pieces import Piece, cast_into
+from ._collectives import p2p_device, wait_or_raise
+from ._pieces import Piece, cast_into, local_chunk
 from ._plan import Entry
 from .io.safetensors_format import pwrite_from
 
@@ -81,21 +81,8 @@ def message_size(parts: list[Part]) -> int:
     return parts[-1].offset + parts[-1].nbytes
 
 
-def _wire_device() -> torch.device:
-    """Where point-to-point buffers must live for the default group's backend."""
-    backend = str(dist.get_backend()).lower()
-    if "gloo" in backend or "mpi" in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _chunk(part: Part, rows: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The part's elements in this rank's local row (``rows``: local() once per source)."""
-    src = part.piece.entry.source
-    if id(src) not in rows:
-        rows[id(src)] = src.local()
-    a = part.piece.local_elem + part.start
-    return rows[id(src)][a : a + part.numel]
+    return local_chunk(part.piece, rows)[part.start : part.start + part.numel]
 
 
 def _pack(parts: list[Part], buf: torch.Tensor, rows: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -119,7 +106,7 @@ def _pack(parts: list[Part], buf: torch.Tensor, rows: dict[int, torch.Tensor]) -
 def send_pieces(pieces: list[Piece], message_bytes: int, timeout: datetime.timedelta) -> str:
     """Send this rank's pieces to rank 0. Returns "" or what failed while packing (the
     messages still go out, so rank 0 does not hang)."""
-    device = _wire_device()
+    device = p2p_device()
     msgs = messages(pieces, message_bytes)
     bufs = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
     pending: list = [None, None]
@@ -159,7 +146,7 @@ def receive_pieces(
     """Rank 0: receive ``sender``'s pieces and pwrite each part at its final offset.
     ``buffers`` (start with ``{}``) carries the two receive buffers from one sender to
     the next. Returns "" or what failed while writing (receiving goes on regardless)."""
-    device = _wire_device()
+    device = p2p_device()
     msgs = messages(pieces, message_bytes)
     if not msgs:
         return ""

@@ -95,17 +95,21 @@ def memfd_shareable() -> bool:
     return _MEMFD[key]
 
 
-def remote_holders(plan: GatherPlan, participating: Callable[[int], bool]) -> list[int]:
-    """Global ranks that hold pieces but run on another host than rank 0: their pieces
-    travel to rank 0 point to point (_forward.py); everyone else writes its own."""
+def remote_pieces(
+    plan: GatherPlan, participating: Callable[[int], bool]
+) -> dict[int, list[_pieces.Piece]]:
+    """The pieces of every global rank that holds some but runs on another host than
+    rank 0 (in rank order): they travel to rank 0 point to point (_forward.py);
+    everyone else writes its own."""
     hosts = host_ids()
     if len(set(hosts)) == 1:
-        return []
+        return {}
     ranks: set[int] = set()
     for src in plan.sources:
         if src.group is not None and participating(src.index):
             ranks.update(r for r in src.group_ranks if hosts[r] != hosts[0])
-    return sorted(r for r in ranks if pieces_of(plan, participating, r))
+    held = {r: pieces_of(plan, participating, r) for r in sorted(ranks)}
+    return {r: pcs for r, pcs in held.items() if pcs}
 
 
 def shm_free_bytes() -> int:
@@ -164,7 +168,7 @@ def gather_to_shm(
     offsets, sizes = shm_layout(plan)
     dtypes = list(sizes)
     hosts = host_ids()  # collectives first, on every rank
-    remote = remote_holders(plan, participating)
+    remote = remote_pieces(plan, participating)
     memfd = memfd_shareable()
     tag = uuid.uuid4().hex
     names: list[list[str]] = [[]]
@@ -239,7 +243,7 @@ def gather_to_shm(
 def _write_everything(
     plan: GatherPlan,
     participating: Callable[[int], bool],
-    remote: list[int],
+    remote: dict[int, list[_pieces.Piece]],
     fd_of: Callable[[Entry], int],
     offset_of: Callable[[Entry], int],
     message_bytes: int,
@@ -263,10 +267,10 @@ def _write_everything(
         error = f"{type(exc).__name__}: {exc}"
     if rank == 0:
         buffers: dict[str, list[torch.Tensor]] = {}
-        for sender in remote:
+        for sender, pieces in remote.items():
             got = _forward.receive_pieces(
                 sender,
-                pieces_of(plan, participating, sender),
+                pieces,
                 message_bytes,
                 fd_of,
                 offset_of,
@@ -301,7 +305,7 @@ def parallel_file_write(
     """Every rank on rank 0's host (every rank, on a shared filesystem) pwrites its
     pieces into the (already created) checkpoint temp file; ranks elsewhere send theirs
     to rank 0 (``fd``: rank 0's). Returns "" or what failed here."""
-    remote = [] if shared_filesystem else remote_holders(plan, participating)
+    remote = {} if shared_filesystem else remote_pieces(plan, participating)
     own = -1
     if plan.rank != 0 and plan.rank not in remote:
         own = os.open(tmp_path, os.O_WRONLY)

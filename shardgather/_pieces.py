@@ -55,6 +55,15 @@ def pieces_of(
     return out
 
 
+def local_chunk(pc: Piece, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The piece's elements in this rank's local row; ``rows`` caches each source's
+    ``local()`` (it may rebuild a row, e.g. FSDP1 use_orig_params optimizer state)."""
+    src = pc.entry.source
+    if id(src) not in rows:
+        rows[id(src)] = src.local()
+    return rows[id(src)][pc.local_elem : pc.local_elem + pc.numel]
+
+
 def write_pieces(fd: int, pieces: list[Piece], offset_of: Callable[[Entry], int]) -> None:
     """pwrite each piece at ``offset_of(entry) + dst_elem * itemsize``.
 
@@ -63,21 +72,18 @@ def write_pieces(fd: int, pieces: list[Piece], offset_of: Callable[[Entry], int]
     of two pinned slabs (writing host memory through its mapped address) while the
     previous chunk is written, so the device-to-host copy and the write overlap.
     """
-    rows: dict[int, torch.Tensor] = {}  # local() once per source (it may rebuild a row)
+    rows: dict[int, torch.Tensor] = {}
     on_device: list[tuple[Piece, torch.Tensor]] = []
     staging = torch.empty(0, dtype=torch.uint8)
     for pc in pieces:
         e = pc.entry
-        local = rows.get(id(e.source))
-        if local is None:
-            local = rows[id(e.source)] = e.source.local()
-        chunk = local[pc.local_elem : pc.local_elem + pc.numel]
+        chunk = local_chunk(pc, rows)
         if chunk.is_cuda:
             on_device.append((pc, chunk))
             continue
         out_size = e.target_dtype.itemsize
         base = offset_of(e) + pc.dst_elem * out_size
-        if e.target_dtype == local.dtype:
+        if e.target_dtype == chunk.dtype:
             pwrite_from(fd, chunk.contiguous().view(torch.uint8), base)
             continue
         step = max(1, _STAGING_BYTES // out_size)

@@ -17,8 +17,8 @@ from torch import nn
 
 from . import _layout as L
 from . import _node_local, _ops
-from ._collectives import agree, bucket_parts, gather_buckets, wait_or_raise
-from ._plan import Entry, GatherPlan, _memory_order_flat, build_plan
+from ._collectives import agree, bucket_parts, gather_buckets, p2p_device, scatter_slice
+from ._plan import Entry, GatherPlan, Source, _memory_order_flat, build_plan
 from .api import (
     DEFAULT_TIMEOUT,
     _all_ok,
@@ -578,8 +578,7 @@ def _load_from_dict(
 def _receive(t: torch.Tensor | None, meta: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
     """Rank 0's tensor on every rank (one tensor in flight: bounded memory)."""
     shape, dtype = meta
-    nccl = "nccl" in str(dist.get_backend()).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = p2p_device()
     if dist.get_rank() == 0:
         assert t is not None
         buf = t.detach().to(device).contiguous()
@@ -589,9 +588,10 @@ def _receive(t: torch.Tensor | None, meta: tuple[tuple[int, ...], torch.dtype]) 
     return buf
 
 
-def _own_range(e: Entry) -> tuple[int, int]:
-    """This rank's elements of ``e`` (memory order): its row's, or all of a local tensor."""
-    src = e.source
+def _own_range(e: Entry, src: Source | None = None) -> tuple[int, int]:
+    """This rank's elements of ``e`` (memory order) in its row of ``src`` (default: the
+    entry's own source), or all of a local tensor."""
+    src = src or e.source
     return _elems_in_row(e.base, src.row_numel, e.numel, src.rank)
 
 
@@ -612,52 +612,39 @@ def _scatter_from_rank0(
     """Rank 0 sends each rank its own elements of every tensor (all of a tensor every
     rank holds in full); everyone copies them in. Returns "" or what failed here; after
     a failure the exchange still runs its course so that nobody hangs."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine: dict[str, tuple[int, int]] = {}
-    for key, e in plan.entries.items():
-        if _source_key(plan, key, shapes) is not None:
-            lo, hi = _own_range(e)
-            if hi > lo:
-                mine[key] = (lo, hi)
-    ranges: list[Any] = [None] * world
+    loaded = {key: _source_key(plan, key, shapes) for key in plan.entries}
+    mine = {key: _own_range(e) for key, e in plan.entries.items() if loaded[key] is not None}
+    ranges: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranges, mine)
-    nccl = "nccl" in str(dist.get_backend()).lower()
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = p2p_device()
     error = ""
+
+    def copy_in(e: Entry, flat: torch.Tensor) -> None:
+        nonlocal error
+        if not error:
+            try:
+                _copy_in_slice(e, *mine[e.key], flat)
+            except Exception as exc:
+                error = f"{e.key}: {type(exc).__name__}: {exc}"
+
     for key, e in plan.entries.items():
-        src_key = _source_key(plan, key, shapes)
+        src_key = loaded[key]
         if src_key is None:
             continue
-        dtype = shapes[src_key][1]
-        if rank == 0:
-            flat = None
+        flat = None
+        if dist.get_rank() == 0:
             try:
                 flat = _flat_of(e, sd[src_key]).to(device)
             except Exception as exc:
                 error = error or f"{key}: {type(exc).__name__}: {exc}"
-            works = []
-            for r in range(1, world):
-                if key in ranges[r]:
-                    lo, hi = ranges[r][key]
-                    part = (
-                        flat[lo:hi].contiguous()
-                        if flat is not None
-                        else torch.zeros(hi - lo, dtype=dtype, device=device)
-                    )
-                    works.append(dist.isend(part, dst=r))
-            if key in mine and flat is not None and not error:
-                _copy_in_slice(e, *mine[key], flat[mine[key][0] : mine[key][1]])
-            for w in works:
-                wait_or_raise(w, timeout, f"sending {key}")
-        elif key in mine:
-            lo, hi = mine[key]
-            buf = torch.empty(hi - lo, dtype=dtype, device=device)
-            wait_or_raise(dist.irecv(buf, src=0), timeout, f"receiving {key} from rank 0")
-            if not error:
-                try:
-                    _copy_in_slice(e, lo, hi, buf)
-                except Exception as exc:
-                    error = f"{key}: {type(exc).__name__}: {exc}"
+        scatter_slice(
+            flat,
+            [r.get(key) for r in ranges],
+            shapes[src_key][1],
+            timeout,
+            key,
+            lambda t, e=e: copy_in(e, t),
+        )
     return error
 
 

@@ -22,10 +22,10 @@ from torch import nn
 
 from . import _layout as L
 from . import _ops
-from ._collectives import agree, wait_or_raise
+from ._collectives import agree, p2p_device, scatter_slice
 from ._plan import Entry, GatherPlan, Source, _fingerprint, _memory_order_flat, build_plan
 from .api import DEFAULT_TIMEOUT, _verify_options, _verify_transport, gather_plan
-from .checkpoint import _elems_in_row, _flat_of, _receive
+from .checkpoint import _flat_of, _own_range, _receive
 from .errors import ShardGatherError, StateDictMismatchError
 
 
@@ -461,30 +461,16 @@ class _RemoteSlice:
     ) -> None:
         self.state, self.key, self.dtype, self.full = state, key, dtype, full
 
-    def fetch(self, e: Entry, lo: int, hi: int) -> torch.Tensor:
-        nccl = "nccl" in str(dist.get_backend()).lower()
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        if dist.get_rank() == 0:
-            assert self.full is not None
-            flat = _flat_of(e, self.full).to(device)
-            works = []
-            for r, ranges in enumerate(self.state.ranges):
-                a, b = ranges.get(self.key, (0, 0))
-                if r != 0 and b > a:
-                    works.append(dist.isend(flat[a:b].contiguous(), dst=r))
-            for w in works:
-                wait_or_raise(w, self.state.timeout, f"sending state of {self.key}")
-            return flat[lo:hi].cpu()
-        buf = torch.empty(max(hi - lo, 0), dtype=self.dtype, device=device)
-        if hi > lo:
-            work = dist.irecv(buf, src=0)
-            wait_or_raise(work, self.state.timeout, f"receiving state of {self.key}")
-        return buf.cpu()
-
-
-def _own_range(e: Entry, src: Source) -> tuple[int, int]:
-    """This rank's elements of ``e`` (memory order) in its row of ``src``."""
-    return _elems_in_row(e.base, src.row_numel, e.numel, src.rank)
+    def fetch(self, e: Entry, src: Source) -> torch.Tensor:
+        """This rank's elements of the tensor (its range of ``e`` in ``src``'s row)."""
+        ranges = [r.get(self.key) for r in self.state.ranges]
+        flat = _flat_of(e, self.full).to(p2p_device()) if self.full is not None else None
+        got: list[torch.Tensor] = []
+        scatter_slice(
+            flat, ranges, self.dtype, self.state.timeout, f"state of {self.key}", got.append
+        )
+        lo, hi = _own_range(e, src)
+        return got[0].cpu() if got else torch.empty(max(hi - lo, 0), dtype=self.dtype)
 
 
 def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -499,7 +485,7 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
                 for k, st in zip(r.keys, per_key):
                     v = st.get(name)
                     if isinstance(v, _RemoteSlice):
-                        v.fetch(plan.entries[k], *_own_range(plan.entries[k], r.source))
+                        v.fetch(plan.entries[k], r.source)
         return {}
     out: dict[str, Any] = {}
     src = r.source
@@ -523,7 +509,7 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
             e = plan.entries[k]
             if isinstance(v, _RemoteSlice):
                 lo, hi = _own_range(e, src)
-                part = v.fetch(e, lo, hi)
+                part = v.fetch(e, src)
                 if hi > lo:
                     fulls.append(part)
                     segs.append(
