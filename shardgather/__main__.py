@@ -179,6 +179,7 @@ def cmd_consolidate(
     dcp_dir: str, out: str, dtype: str | None, prefix: str | None, progress: bool
 ) -> int:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(dcp_dir)
@@ -221,7 +222,12 @@ def cmd_consolidate(
         for key, name, shape, sdt, odt in items:
             # One tensor in memory at a time: DCP reads just its chunks.
             t = torch.empty(shape, dtype=sdt)
-            dcp.load({key: t}, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load({key: t}, storage_reader=reader, no_dist=True)
+            except (Exception, CheckpointException) as exc:  # DCP's, for damaged chunks
+                raise CheckpointError(
+                    f"{dcp_dir}: cannot read {key!r} ({type(exc).__name__}: {exc})"
+                ) from None
             t = t.to(odt).contiguous()
             pwrite_from(fd, t.reshape(-1).view(torch.uint8), len(head) + layout[name][2])
             if bar is not None:
@@ -265,8 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.dcp_dir, args.out, args.dtype, args.prefix, not args.no_progress
         )
     except ShardGatherError as exc:
+        print(f"shardgather: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. the output directory does not exist
         print(f"shardgather: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def _verify_transport(transport: str, pin_memory: bool) -> None:
         raise ShardGatherError("pin_memory=True needs CUDA (pinned memory is page-locked for DMA)")
 
 
-def _all_ok(ok: bool, message: str) -> list[str]:
+def all_ok(ok: bool, message: str) -> list[str]:
     """Every rank's failure message (empty when all succeeded). Best effort when a rank died."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [] if ok else [message]
@@ -196,7 +196,7 @@ def gather_plan(
             lambda i: 0 in plan.sources[i].group_ranks,
             _copy_local,
             timeout,
-            _all_ok,
+            all_ok,
             message_bytes=int(bucket_mb * 2**20),
         )
     receives = _receiving(plan, rank0_only)

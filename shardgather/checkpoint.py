@@ -21,13 +21,13 @@ from ._collectives import agree, bucket_parts, gather_buckets, p2p_device, scatt
 from ._plan import Entry, GatherPlan, Source, _memory_order_flat, build_plan
 from .api import (
     DEFAULT_TIMEOUT,
-    _all_ok,
     _copy_local,
     _my_buckets,
     _Progress,
     _use_gather,
     _verify_options,
     _verify_transport,
+    all_ok,
     default_bucket_mb,
 )
 from .errors import CheckpointError, CollectiveError, ShardGatherError, StateDictMismatchError
@@ -182,7 +182,7 @@ def save_plan(
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             _cleanup(fd, tmp_path)
             raise
-    failures = _all_ok(not error, error)
+    failures = all_ok(not error, error)
     if failures:
         _cleanup(fd, tmp_path)
         raise CollectiveError(
@@ -368,10 +368,14 @@ def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     Example:
         >>> plain_model.load_state_dict(shardgather.load_file("model.safetensors"))
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file as st_load
 
-    header = read_header(path)  # clear errors for bad files before safetensors sees them
-    sd = st_load(os.fspath(path))
+    header = read_header(path)  # the whole header validated before any data is read
+    try:
+        sd = st_load(os.fspath(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{os.fspath(path)}: cannot be read ({exc})") from None
     for alias, key in header.aliases.items():
         sd[alias] = sd[key]
     return sd
@@ -408,7 +412,7 @@ def _validate(
         shape, dtype = available[src_key]
         if tuple(shape) != tuple(e.shape):
             mismatched[key] = f"shape {tuple(shape)} in source, {tuple(e.shape)} in model"
-        elif dtype != e.dtype and not (dtype.is_floating_point and e.dtype.is_floating_point):
+        elif dtype != e.dtype and not (_castable(dtype) and _castable(e.dtype)):
             mismatched[key] = f"dtype {dtype} in source, {e.dtype} in model (cannot cast)"
     if mismatched or (strict and (missing or unexpected)):
         parts = []
@@ -426,6 +430,12 @@ def _validate(
             mismatched,
         )
     return LoadResult(missing, unexpected)
+
+
+def _castable(dtype: torch.dtype) -> bool:
+    """The copy kernels cast between fp16, bf16, fp32 and fp64; any other dtype (e.g.
+    float8) is copied as raw bytes, so it must match exactly."""
+    return dtype in L.KIND_DTYPE.values()
 
 
 def _local_row(e: Entry) -> tuple[torch.Tensor, int]:
@@ -492,7 +502,7 @@ def load_full_state_dict(
         _read_own_bytes(plan, header, path, int(bucket_mb * 2**20))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    failures = _all_ok(not error, error)
+    failures = all_ok(not error, error)
     if failures:
         raise CheckpointError(f"load_full_state_dict({path!r}) failed: " + "; ".join(failures))
     return result
@@ -569,7 +579,7 @@ def _load_from_dict(
             error = _scatter_from_rank0(plan, sd, shapes, timeout)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    failures = _all_ok(not error, error)
+    failures = all_ok(not error, error)
     if failures:
         raise CheckpointError(f"load_full_state_dict({what}) failed: " + "; ".join(failures))
     return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,8 @@ from ._collectives import agree, p2p_device, scatter_slice
 from ._plan import Entry, GatherPlan, Source, _fingerprint, _memory_order_flat, build_plan
 from .api import DEFAULT_TIMEOUT, _verify_options, _verify_transport, gather_plan
 from .checkpoint import _flat_of, _own_range, _receive
-from .errors import ShardGatherError, StateDictMismatchError
+from .errors import CheckpointError, ShardGatherError, StateDictMismatchError
+from .io.safetensors_format import Header, TensorInfo, pread_into
 
 
 @dataclass
@@ -319,20 +321,7 @@ def load_full_optim_state_dict(
     refs = _param_refs(model, plan)
     groups = _opt_refs(optimizer, refs)
     saved_groups = osd["param_groups"]
-    if len(saved_groups) != len(groups):
-        raise StateDictMismatchError(
-            f"the optimizer has {len(groups)} param groups, the checkpoint {len(saved_groups)}; "
-            "build the optimizer with the same groups as when it was saved"
-        )
-    for g, (rs, saved) in enumerate(zip(groups, saved_groups)):
-        mine = [k for r in rs for k in r.keys]
-        if set(mine) != set(saved["params"]):
-            raise StateDictMismatchError(
-                f"param group {g}: missing {sorted(set(mine) - set(saved['params']))}, "
-                f"unexpected {sorted(set(saved['params']) - set(mine))}",
-                sorted(set(mine) - set(saved["params"])),
-                sorted(set(saved["params"]) - set(mine)),
-            )
+    _check_groups(groups, saved_groups)
     if isinstance(osd["state"], _Rank0State):
         osd["state"].exchange_ranges(plan, [r for rs in groups for r in rs])
     state: dict[int, dict[str, Any]] = {}
@@ -350,6 +339,79 @@ def load_full_optim_state_dict(
         pg["params"] = ids
         out_groups.append(pg)
     optimizer.load_state_dict({"state": state, "param_groups": out_groups})
+
+
+def _check_groups(groups: list[list[_ParamRef]], saved_groups: Any) -> None:
+    """The saved param groups name exactly the optimizer's parameters, group by group."""
+    if not isinstance(saved_groups, list) or not all(
+        isinstance(g, dict)
+        and isinstance(g.get("params"), list)
+        and all(isinstance(k, str) for k in g["params"])
+        for g in saved_groups
+    ):
+        raise ShardGatherError(
+            "osd['param_groups'] must be a list of dicts whose 'params' are parameter names "
+            "(from shardgather.full_optim_state_dict)"
+        )
+    if len(saved_groups) != len(groups):
+        raise StateDictMismatchError(
+            f"the optimizer has {len(groups)} param groups, the checkpoint {len(saved_groups)}; "
+            "build the optimizer with the same groups as when it was saved"
+        )
+    for g, (rs, saved) in enumerate(zip(groups, saved_groups)):
+        mine = [k for r in rs for k in r.keys]
+        if set(mine) != set(saved["params"]):
+            raise StateDictMismatchError(
+                f"param group {g}: missing {sorted(set(mine) - set(saved['params']))}, "
+                f"unexpected {sorted(set(saved['params']) - set(mine))}",
+                sorted(set(mine) - set(saved["params"])),
+                sorted(set(saved["params"]) - set(mine)),
+            )
+
+
+def check_saved_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_groups: Any,
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    elements: Mapping[str, list[str]],
+) -> None:
+    """Check, before anything is loaded, that saved optimizer state fits ``optimizer``:
+    the same param groups and, for every element-wise state ``elements[key]``, a
+    tensor ``shapes["name/key"]`` shaped like the parameter. No collective.
+
+    Raises:
+        StateDictMismatchError / CheckpointError: what does not fit, by name.
+    """
+    plan = build_plan(model)
+    _check_groups(_opt_refs(optimizer, _param_refs(model, plan)), param_groups)
+    for key, names in elements.items():
+        e = plan.entries.get(key)
+        if e is None:
+            raise StateDictMismatchError(
+                f"the checkpoint holds optimizer state for {key!r}, which the model lacks",
+                unexpected_keys=[key],
+            )
+        for name in names:
+            got = shapes.get(f"{name}/{key}")
+            if got is None:
+                raise CheckpointError(f"optimizer state {name!r} of {key!r} is missing")
+            if tuple(got[0]) != tuple(e.shape):
+                raise StateDictMismatchError(
+                    f"optimizer state {name!r} of {key!r}: {got[1]} {tuple(got[0])} in the "
+                    f"checkpoint, the parameter is {tuple(e.shape)}",
+                    mismatched={key: f"{name}: shape {tuple(got[0])}"},
+                )
+
+
+class _SavedSlice:
+    """A saved state tensor shaped like its parameter, of which each rank fetches only
+    its own elements (from rank 0 or from a file)."""
+
+    dtype: torch.dtype
+
+    def fetch(self, e: Entry, src: Source) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
 
 
 def _skeleton_value(v: Any, entry: Entry | None) -> tuple:
@@ -451,7 +513,7 @@ class _Rank0Entry(Mapping):
         return len(self._skeleton)
 
 
-class _RemoteSlice:
+class _RemoteSlice(_SavedSlice):
     """A state tensor shaped like its parameter that only rank 0 holds: ``fetch`` gives
     this rank its own elements. Every rank calls it at the same point; rank 0 then
     sends every other rank its range of the tensor, point to point."""
@@ -492,7 +554,7 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
     for name in names:
         vals = [st.get(name) for st in per_key]
         v0 = next(v for v in vals if v is not None)
-        full_elem = isinstance(v0, _RemoteSlice) or (
+        full_elem = isinstance(v0, _SavedSlice) or (
             isinstance(v0, torch.Tensor)
             and v0.dim() > 0
             and tuple(v0.shape) == tuple(plan.entries[r.keys[0]].shape)
@@ -507,7 +569,7 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
             if v is None:
                 continue
             e = plan.entries[k]
-            if isinstance(v, _RemoteSlice):
+            if isinstance(v, _SavedSlice):
                 lo, hi = _own_range(e, src)
                 part = v.fetch(e, src)
                 if hi > lo:
@@ -560,3 +622,53 @@ def _shape_like(r: _ParamRef, row: torch.Tensor) -> Any:
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
     return row.clone().as_strided(p.shape, p.stride()) if p.dim() else row.clone().reshape(())
+
+
+class FileState(Mapping):
+    """``{param key: {state name: value}}`` of a checkpoint directory's optimizer state:
+    scalars from its metadata, element-wise states as slices of ``optim.safetensors``
+    of which each rank preads only its own elements (the header validated first)."""
+
+    def __init__(
+        self,
+        path: str,
+        header: Header,
+        scalars: Mapping[str, Mapping[str, Any]],
+        elements: Mapping[str, list[str]],
+    ) -> None:
+        self._path, self._header = path, header
+        self._scalars, self._elements = scalars, elements
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        if key not in self._elements and key not in self._scalars:
+            raise KeyError(key)
+        out: dict[str, Any] = dict(self._scalars.get(key, {}))
+        for name in self._elements.get(key, []):
+            out[name] = _FileSlice(self._path, self._header.tensors[f"{name}/{key}"])
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(set(self._elements) | set(self._scalars)))
+
+    def __len__(self) -> int:
+        return len(set(self._elements) | set(self._scalars))
+
+
+class _FileSlice(_SavedSlice):
+    def __init__(self, path: str, info: TensorInfo) -> None:
+        self.path, self.info, self.dtype = path, info, info.dtype
+
+    def fetch(self, e: Entry, src: Source) -> torch.Tensor:
+        lo, hi = _own_range(e, src)
+        size = self.dtype.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if e.is_contiguous:  # the file's row-major order is the shard's
+                buf = torch.empty(max(hi - lo, 0) * size, dtype=torch.uint8)
+                pread_into(fd, buf, self.info.begin + lo * size)
+                return buf.view(self.dtype)
+            raw = torch.empty(self.info.numel * size, dtype=torch.uint8)
+            pread_into(fd, raw, self.info.begin)
+        finally:
+            os.close(fd)
+        return _flat_of(e, raw.view(self.dtype).view(self.info.shape))[lo:hi].clone()

@@ -6,34 +6,43 @@ Layout of the directory::
 
     model.safetensors    the full model (clean keys, tied weights stored once)
     optim.safetensors    every element-wise optimizer state, keys "<state>/<param>"
-    optim.pt             param groups and scalar states (small)
-    extra.pt             what you passed as ``extra`` (epoch, step, RNG, scheduler...)
+    optim.json           param groups and scalar states (small; JSON, never pickled)
+    extra.pt             what you passed as ``extra`` (epoch, step, RNG, scheduler...),
+                         loaded with ``weights_only=True`` unless you pass trust_pickle=True
+
+Loading validates every file of the directory before the model or the optimizer
+changes, so a damaged optimizer file cannot leave a half-loaded model behind.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
 import os
+import pickle
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import DEFAULT_TIMEOUT
+from .api import DEFAULT_TIMEOUT, all_ok
 from .checkpoint import load_full_state_dict, save_full_state_dict, save_plan
-from .errors import CheckpointError, CollectiveError
-from .optim import load_full_optim_state_dict, state_plan
+from .errors import CheckpointError, CollectiveError, ShardGatherError
+from .io import json_values
+from .io.safetensors_format import read_header
+from .optim import FileState, check_saved_state, load_full_optim_state_dict, state_plan
 
 MODEL_FILE, OPTIM_FILE, OPTIM_META, EXTRA_FILE = (
     "model.safetensors",
     "optim.safetensors",
-    "optim.pt",
+    "optim.json",
     "extra.pt",
 )
+LEGACY_OPTIM_META = "optim.pt"  # before 0.2: the same content, torch.save'd
 
 
 def _rank() -> int:
@@ -46,6 +55,13 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_checkpoint(
@@ -62,8 +78,15 @@ def save_checkpoint(
     Call on every rank. Everything is written into a temporary directory beside
     ``path`` and renamed at the end: a failure leaves ``path`` as it was. Peak extra
     host memory per rank stays at the staging bound of save_full_state_dict, the
-    optimizer state included (it is streamed the same way). ``shared_filesystem``: as
-    for :func:`save_full_state_dict`.
+    optimizer state included (it is streamed the same way). The optimizer's param
+    groups and scalar states are stored as JSON (no pickle); ``extra`` with
+    ``torch.save`` — :func:`load_checkpoint` reads it back with ``weights_only=True``
+    (tensors, numbers, strings, lists, dicts) unless told to trust the file.
+    ``shared_filesystem``: as for :func:`save_full_state_dict`.
+
+    Raises:
+        ShardGatherError: a param group holds a value JSON cannot carry.
+        CheckpointError / CollectiveError: nothing was written (see the message).
 
     Example:
         >>> shardgather.save_checkpoint("ckpt/step_1000", model, optimizer,
@@ -113,12 +136,14 @@ def save_checkpoint(
                     k: sorted(n for n, d in names.items() if d[0] == "elem")
                     for k, names in st.meta.items()
                 }
-                torch.save(
-                    {"param_groups": st.param_groups, "scalars": scalars, "elements": elems},
-                    os.path.join(tmp, OPTIM_META),
+                meta = {"param_groups": st.param_groups, "scalars": scalars, "elements": elems}
+                _write_durably(
+                    os.path.join(tmp, OPTIM_META), json_values.dumps(meta, "optimizer state")
                 )
         if _rank() == 0:
-            torch.save(extra or {}, os.path.join(tmp, EXTRA_FILE))
+            buf = io.BytesIO()
+            torch.save(extra or {}, buf)
+            _write_durably(os.path.join(tmp, EXTRA_FILE), buf.getvalue())
             _publish(tmp, final)
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -126,9 +151,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         if not dist.is_initialized() or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-    from .api import _all_ok
-
-    failures = _all_ok(not error, error)
+    failures = all_ok(not error, error)
     if failures:
         if _rank() == 0 and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -151,30 +174,67 @@ def _publish(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-class _LazyState(Mapping):
-    """``{param: {state: tensor}}`` read from optim.safetensors one parameter at a
-    time, so loading never holds more than one parameter's state in memory."""
+@dataclass
+class _SavedOptimizer:
+    """A checkpoint directory's optimizer state, validated, not yet loaded."""
 
-    def __init__(self, path: str, meta: dict[str, Any]) -> None:
-        from safetensors import safe_open
+    param_groups: list[dict[str, Any]]
+    state: FileState
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    elements: dict[str, list[str]]
 
-        self._file = safe_open(path, framework="pt")
-        self._scalars: dict[str, dict[str, Any]] = meta["scalars"]
-        self._elements: dict[str, list[str]] = meta["elements"]
 
-    def __getitem__(self, key: str) -> dict[str, Any]:
-        if key not in self._elements and key not in self._scalars:
-            raise KeyError(key)
-        out = dict(self._scalars.get(key, {}))
-        for name in self._elements.get(key, []):
-            out[name] = self._file.get_tensor(f"{name}/{key}")
-        return out
+def _read_optimizer(root: str) -> _SavedOptimizer:
+    """Read and validate optim.json (or a legacy optim.pt, without unpickling code) and
+    the header of optim.safetensors; nothing is loaded yet."""
+    optim_file = os.path.join(root, OPTIM_FILE)
+    meta_file = os.path.join(root, OPTIM_META)
+    legacy = os.path.join(root, LEGACY_OPTIM_META)
+    if not os.path.isfile(optim_file) or not (os.path.isfile(meta_file) or os.path.isfile(legacy)):
+        raise CheckpointError(f"{root}: saved without optimizer state; pass optimizer=None")
+    if os.path.isfile(meta_file):
+        with open(meta_file, "rb") as f:
+            meta = json_values.loads(f.read(), meta_file)
+    else:
+        meta = _torch_load(legacy, trust_pickle=False)
+    if not (
+        isinstance(meta, dict)
+        and isinstance(meta.get("param_groups"), list)
+        and isinstance(meta.get("scalars"), dict)
+        and isinstance(meta.get("elements"), dict)
+        and all(isinstance(v, dict) for v in meta["scalars"].values())
+        and all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v)
+            for v in meta["elements"].values()
+        )
+    ):
+        raise CheckpointError(
+            f"{meta_file}: corrupt optimizer metadata (want param_groups, scalars, elements)"
+        )
+    header = read_header(optim_file)
+    stored = set(header.tensors)
+    wanted = {f"{n}/{k}" for k, names in meta["elements"].items() for n in names}
+    if wanted != stored:
+        raise CheckpointError(
+            f"{optim_file} does not match {os.path.basename(meta_file)}: missing "
+            f"{sorted(wanted - stored)[:5]}, unexpected {sorted(stored - wanted)[:5]}"
+        )
+    shapes = {k: (t.shape, t.dtype) for k, t in header.tensors.items()}
+    state = FileState(optim_file, header, meta["scalars"], meta["elements"])
+    return _SavedOptimizer(meta["param_groups"], state, shapes, meta["elements"])
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(set(self._elements) | set(self._scalars)))
 
-    def __len__(self) -> int:
-        return len(set(self._elements) | set(self._scalars))
+def _torch_load(path: str, trust_pickle: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path} holds objects that only full unpickling can rebuild, which could run "
+            "code from the file. If you trust this checkpoint, pass trust_pickle=True. "
+            f"({str(exc).splitlines()[0]})"
+        ) from None
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
 
 
 def load_checkpoint(
@@ -183,28 +243,53 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
+    trust_pickle: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> dict[str, Any]:
     """Load a directory written by :func:`save_checkpoint` into ``model`` (and
     ``optimizer``); returns the ``extra`` dict. Works at any world size and FSDP
     flavour, and for a plain model in one process with no process group.
 
+    Every file is validated first — headers, optimizer metadata, the match with the
+    model and the optimizer, ``extra`` — so a bad file raises before anything changes.
+    Nothing is unpickled: ``extra.pt`` is read with ``weights_only=True``.
+
+    Args:
+        trust_pickle: read ``extra.pt`` with full unpickling, for ``extra`` holding
+            arbitrary objects. Only for checkpoints you trust: unpickling runs code.
+
     Raises:
-        CheckpointError: not a checkpoint directory, or a file is missing or corrupt.
+        CheckpointError: not a checkpoint directory, a file is missing or corrupt, or
+            ``extra`` needs ``trust_pickle=True``.
         StateDictMismatchError: the model or optimizer does not match.
     """
     root = os.fspath(path)
     model_file = os.path.join(root, MODEL_FILE)
-    if not os.path.isfile(model_file):
-        raise CheckpointError(f"{root}: not a shardgather checkpoint ({MODEL_FILE} missing)")
+    error: ShardGatherError | None = None
+    extra: Any = {}
+    saved: _SavedOptimizer | None = None
+    try:
+        if not os.path.isfile(model_file):
+            raise CheckpointError(f"{root}: not a shardgather checkpoint ({MODEL_FILE} missing)")
+        read_header(model_file)
+        if optimizer is not None:
+            saved = _read_optimizer(root)
+            check_saved_state(model, optimizer, saved.param_groups, saved.shapes, saved.elements)
+        extra_file = os.path.join(root, EXTRA_FILE)
+        if os.path.isfile(extra_file):
+            extra = _torch_load(extra_file, trust_pickle)
+    except ShardGatherError as exc:
+        error = exc
+    # Every rank validated the same files; all raise, or none does (no rank is left
+    # waiting in a collective that the others never reach).
+    failures = all_ok(error is None, str(error))
+    if failures:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"load_checkpoint({root!r}): " + "; ".join(failures))
     load_full_state_dict(model, model_file, strict=strict, timeout=timeout)
     if optimizer is not None:
-        meta_file, optim_file = os.path.join(root, OPTIM_META), os.path.join(root, OPTIM_FILE)
-        if not (os.path.isfile(meta_file) and os.path.isfile(optim_file)):
-            raise CheckpointError(f"{root}: saved without optimizer state; pass optimizer=None")
-        meta = torch.load(meta_file, weights_only=False)
-        osd = {"state": _LazyState(optim_file, meta), "param_groups": meta["param_groups"]}
+        assert saved is not None
+        osd = {"state": saved.state, "param_groups": saved.param_groups}
         load_full_optim_state_dict(model, optimizer, osd, timeout=timeout)
-    extra_file = os.path.join(root, EXTRA_FILE)
-    # Your own file (it may hold RNG states or scheduler objects): full unpickling.
-    return torch.load(extra_file, weights_only=False) if os.path.isfile(extra_file) else {}
+    return extra

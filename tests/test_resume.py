@@ -33,7 +33,7 @@ def test_checkpoint_moves_between_world_sizes_and_flavours(move: str, tmp_path) 
     assert sorted(os.listdir(ckpt)) == [
         "extra.pt",
         "model.safetensors",
-        "optim.pt",
+        "optim.json",
         "optim.safetensors",
     ]
     torch.save(saved, tmp_path / "saved.pt")

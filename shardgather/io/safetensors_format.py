@@ -105,10 +105,21 @@ def encode_header(
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Parse and validate a safetensors header without reading any tensor data.
+    """Parse and validate a safetensors header completely, without reading tensor data.
+
+    Two checks, both before any byte can reach a model. Ours, which names the file and
+    the key in words a user can act on: offsets are non-negative integer pairs,
+    contiguous from 0, non-overlapping and covering the data section exactly (a short
+    file is "truncated"); ``prod(shape) * itemsize == end - begin``; no key twice (JSON
+    lets the last one win silently, and the reference reader does not look); a dtype
+    torch can hold; ``__metadata__`` a ``str -> str`` object; shardgather's alias map
+    a JSON object naming stored keys only. Then the ``safetensors`` library's own
+    (fuzzed, maintained) validation of the same header, as a backstop: a file it
+    rejects is never read.
 
     Raises:
-        CheckpointError: missing, truncated, corrupt, or not a safetensors file.
+        CheckpointError: missing, truncated, corrupt, or not a safetensors file; the
+            message names the file and the offending key.
     """
     path = os.fspath(path)
     try:
@@ -126,40 +137,121 @@ def read_header(path: str | os.PathLike) -> Header:
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a safetensors file") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc})") from exc
     try:
-        obj = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        obj = json.loads(raw.decode(), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as exc:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header: key {exc.key!r} appears twice"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt header: __metadata__ must map str to str")
     data_start = 8 + n
     tensors: dict[str, TensorInfo] = {}
-    for key, info in sorted(
-        obj.items(),
-        key=lambda kv: kv[1].get("data_offsets", [0])[0] if isinstance(kv[1], dict) else 0,
-    ):
-        try:
-            dtype = ST_TO_DTYPE[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+    pos = 0
+    for key, info in sorted(obj.items(), key=lambda kv: _offsets(path, kv[0], kv[1])):
+        begin, end = _offsets(path, key, info)
+        name = info.get("dtype")  # type: ignore[union-attr]
+        dtype = ST_TO_DTYPE.get(name) if isinstance(name, str) else None
+        if dtype is None:
             raise CheckpointError(
-                f"{path}: corrupt or unsupported header entry for {key!r}: {info}"
-            ) from None
-        t = TensorInfo(dtype, shape, data_start + begin, data_start + end)
-        if end - begin != t.numel * dtype.itemsize or begin > end:
-            raise CheckpointError(f"{path}: header entry {key!r} has inconsistent size")
-        if t.end > size:
-            raise CheckpointError(
-                f"{path}: truncated: {key!r} ends at byte {t.end} but the file has {size} bytes. "
-                "The file was not completely written; save it again."
+                f"{path}: {key!r} has dtype {info.get('dtype')!r}, which torch "
+                f"{torch.__version__} cannot hold"
             )
+        shape = info.get("shape")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(f"{path}: {key!r} has an invalid shape {shape!r}")
+        t = TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end)
+        if begin != pos or end - begin != t.numel * dtype.itemsize:
+            raise CheckpointError(
+                f"{path}: {key!r} has data_offsets [{begin}, {end}], but its "
+                f"{dtype} {list(shape)} data must be bytes [{pos}, {pos + t.numel * dtype.itemsize}]"
+            )
+        pos = end
         tensors[key] = t
-    aliases = json.loads(metadata.get(ALIASES_KEY, "{}")) if metadata else {}
+    if data_start + pos != size:
+        raise CheckpointError(
+            f"{path}: truncated or padded: the header describes {pos} data bytes, the file "
+            f"holds {size - data_start}. The file was not completely written; save it again."
+        )
+    aliases = _aliases(path, metadata.get(ALIASES_KEY), tensors)
+    _library_check(path)  # the reference reader must agree with everything above
     return Header(tensors, dict(metadata), aliases, data_start, size)
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _offsets(path: str, key: str, info: object) -> tuple[int, int]:
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(x) for x in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise CheckpointError(
+            f"{path}: {key!r} has invalid data_offsets {offsets!r} (want [begin, end], "
+            "0 <= begin <= end)"
+        )
+    return offsets[0], offsets[1]
+
+
+def _library_check(path: str) -> None:
+    """The safetensors library's own validation of the whole header (no data read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path}: invalid safetensors file ({exc})") from None
+
+
+def _aliases(path: str, raw: str | None, tensors: dict[str, TensorInfo]) -> dict[str, str]:
+    """shardgather's tied-weight map (alias -> stored key), validated."""
+    if raw is None:
+        return {}
+    try:
+        aliases = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (json.JSONDecodeError, _DuplicateKey, RecursionError) as exc:
+        raise CheckpointError(f"{path}: corrupt {ALIASES_KEY} metadata ({exc})") from None
+    if not isinstance(aliases, dict):
+        raise CheckpointError(f"{path}: corrupt {ALIASES_KEY} metadata (not a JSON object)")
+    for alias, key in aliases.items():
+        if not isinstance(key, str) or key not in tensors:
+            raise CheckpointError(
+                f"{path}: {ALIASES_KEY} maps {alias!r} to {key!r}, which is not a stored tensor"
+            )
+        if alias in tensors:
+            raise CheckpointError(
+                f"{path}: {ALIASES_KEY} names {alias!r} as an alias, but it is a stored tensor"
+            )
+    return aliases
 
 
 def pread_into(fd: int, buf: torch.Tensor, offset: int) -> None:
