@@ -223,13 +223,13 @@ def _fsdp1_refs(model: nn.Module, sources: list[Source]) -> dict[tuple[int, str]
     return refs
 
 
-def _fsdp2_params(model: nn.Module) -> dict[int, object]:
-    """id(sharded DTensor parameter) -> its FSDPParam, for every fully_shard'ed module."""
+def _fsdp2_param_records(model: nn.Module) -> list[object]:
+    """Every FSDPParam of every fully_shard'ed module under ``model``."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
-        return {}
-    out: dict[int, object] = {}
+        return []
+    out: list[object] = []
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
@@ -239,9 +239,56 @@ def _fsdp2_params(model: nn.Module) -> dict[int, object]:
             single = getattr(state, "_fsdp_param_group", None)
             groups = [single] if single is not None else []
         for g in groups:
-            for fp in g.fsdp_params:
-                out[id(fp.sharded_param)] = fp
+            out.extend(g.fsdp_params)
     return out
+
+
+def fsdp2_params(model: nn.Module) -> dict[tuple[int, str], object]:
+    """(id(module), parameter name) -> its FSDPParam, tied registrations included.
+
+    Keyed by FSDP's own records of where each parameter is registered, not by the
+    tensor the module holds: after a forward under ``torch.no_grad()`` FSDP2 leaves
+    the root's parameters unsharded, so the module then holds a plain full tensor,
+    not the sharded DTensor (which the optimizer holds, and which is the truth).
+    """
+    out: dict[tuple[int, str], object] = {}
+    for fp in _fsdp2_param_records(model):
+        info = fp._module_info
+        out[(id(info.module), info.param_name)] = fp
+        for mod, name in zip(info.shared_modules, info.shared_param_names):
+            out[(id(mod), name)] = fp
+    return out
+
+
+def fsdp2_optimizer_params(model: nn.Module) -> dict[int, object]:
+    """id(sharded DTensor parameter, as the optimizer holds it) -> its FSDPParam."""
+    return {id(fp.sharded_param): fp for fp in _fsdp2_param_records(model)}
+
+
+def reshard_for_load(model: nn.Module) -> None:
+    """Put every FSDP unit of ``model`` back into its sharded state before its shards
+    are written. After a forward without backward (an evaluation under
+    ``torch.no_grad()``) FSDP1 keeps the root's flat parameter unsharded and FSDP2
+    the root's parameters; the next forward then uses that stale full copy instead
+    of gathering the shards, so weights loaded into the shards would be silently
+    ignored until the next backward. No collective: resharding only frees memory.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()  # FSDP2's public API; a no-op when already sharded
+    from torch.distributed.fsdp import _traversal_utils
+
+    for handle in _traversal_utils._get_fsdp_handles(model):
+        if not hasattr(handle.flat_param, "_full_param_padded"):
+            continue  # not lazily initialised yet: nothing was ever unsharded
+        if handle.uses_sharded_strategy and not handle.needs_unshard():
+            handle.reshard(True)  # what FSDP1's own post-backward reshard does
+            handle.post_reshard()
+            handle._prefetched = False
 
 
 def _fsdp2_source(fp, key: str, sources: list[Source]) -> Source:  # type: ignore[no-untyped-def]
@@ -356,7 +403,7 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
     """
     sources: list[Source] = []
     flat_refs = _fsdp1_refs(model, sources)
-    fsdp2 = _fsdp2_params(model)
+    fsdp2 = fsdp2_params(model)
     buffer_dtypes = _orig_buffer_dtypes(model) if flat_refs else {}
     flat_names: dict[int, list[str]] = {}
     for mod_id, name in flat_refs:
@@ -396,7 +443,7 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
                 continue
             p = mod._parameters[name]
             assert p is not None
-            fp = fsdp2.get(id(p))
+            fp = fsdp2.get((id(mod), name))
             if fp is not None:
 
                 def make2(fp=fp, key=key) -> Entry:

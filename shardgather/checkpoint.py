@@ -18,7 +18,7 @@ from torch import nn
 from . import _layout as L
 from . import _node_local, _ops
 from ._collectives import agree, bucket_parts, gather_buckets, p2p_device, scatter_slice
-from ._plan import Entry, GatherPlan, Source, _memory_order_flat, build_plan
+from ._plan import Entry, GatherPlan, Source, _memory_order_flat, build_plan, reshard_for_load
 from .api import (
     DEFAULT_TIMEOUT,
     _copy_local,
@@ -488,6 +488,7 @@ def load_full_state_dict(
         raise ShardGatherError(
             f"source must be a file path or a dict of tensors, got {type(source).__name__}"
         )
+    reshard_for_load(model)  # else a forward after an evaluation would ignore the load
     plan = build_plan(model)
     agree(plan, timeout)
     if isinstance(source, Mapping):

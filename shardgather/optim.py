@@ -46,7 +46,7 @@ def _param_refs(model: nn.Module, plan: GatherPlan) -> dict[int, _ParamRef]:
     """id(optimizer-visible parameter) -> its _ParamRef."""
     from torch.distributed.fsdp import _traversal_utils
 
-    from ._plan import _fsdp2_params
+    from ._plan import fsdp2_optimizer_params
 
     refs: dict[int, _ParamRef] = {}
     ident = plan.identities
@@ -61,15 +61,15 @@ def _param_refs(model: nn.Module, plan: GatherPlan) -> dict[int, _ParamRef]:
                 refs[id(p)] = _ParamRef(p, "orig", src, [keys[i]], offset or 0)
         else:
             refs[id(flat)] = _ParamRef(flat, "flat", src, keys)
-    fsdp2 = _fsdp2_params(model)
+    # FSDP2: through FSDP's records (the module may hold an unsharded copy just now).
+    for fp in fsdp2_optimizer_params(model).values():
+        p = fp.sharded_param  # type: ignore[attr-defined]
+        key = ident[("fsdp2", id(fp))]
+        refs[id(p)] = _ParamRef(p, "fsdp2", plan.entries[key].source, [key])
     for p in model.parameters():
         if id(p) in refs:
             continue
-        fp = fsdp2.get(id(p))
-        if fp is not None:
-            key = ident[("fsdp2", id(fp))]
-            refs[id(p)] = _ParamRef(p, "fsdp2", plan.entries[key].source, [key])
-        elif ("local", id(p)) in ident:
+        if ("local", id(p)) in ident:
             key = ident[("local", id(p))]
             refs[id(p)] = _ParamRef(p, "local", plan.entries[key].source, [key])
     return refs
