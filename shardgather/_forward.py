@@ -125,7 +125,7 @@ def send_pieces(pieces: list[Piece], message_bytes: int, timeout: datetime.timed
             error = f"packing pieces for rank 0: {type(exc).__name__}: {exc}"
             payload = bufs[slot][:size]
         if device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            torch.cuda.current_stream(device).synchronize()
         pending[slot] = dist.isend(payload, dst=0, tag=i)
         STATS["sent"] += size
     for work in pending:

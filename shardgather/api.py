@@ -276,7 +276,7 @@ def _copy_out_cuda(
     """
     if all(outputs[p.entry.key].is_pinned() for p in parts):
         _copy_out_direct(rows, parts, outputs)
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(rows.device).synchronize()
         return
     sizes = [p.numel * p.entry.target_dtype.itemsize for p in parts]
     staging = _staging.slab(slot, sum(sizes) + 16 * len(parts))
@@ -289,7 +289,7 @@ def _copy_out_cuda(
         segs.append(p.segment.with_dst(0, off))
         off += n
     _ops.copy_out(rows, 0, L.segment_table(segs), [staging])
-    torch.cuda.current_stream().synchronize()
+    torch.cuda.current_stream(rows.device).synchronize()
     for p, n, o in zip(parts, sizes, offsets):
         out = _memory_order_flat(outputs[p.entry.key]).view(torch.uint8)
         b = p.start * p.entry.target_dtype.itemsize

@@ -724,7 +724,7 @@ def _read_own_bytes(plan: GatherPlan, header: Header, path: str, staging_bytes: 
                 )
                 _ops.copy_in([buf], L.segment_table([seg]), row, first_row)
                 if row.is_cuda:
-                    torch.cuda.current_stream().synchronize()  # before staging is reused
+                    torch.cuda.current_stream(row.device).synchronize()  # the kernel's stream
     finally:
         os.close(fd)
 
@@ -752,4 +752,4 @@ def _load_strided(fd: int, e: Entry, info: Any, row: torch.Tensor, first_row: in
     )
     _ops.copy_in([flat], L.segment_table([seg]), row, first_row)
     if row.is_cuda:
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(row.device).synchronize()
