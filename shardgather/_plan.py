@@ -139,7 +139,35 @@ def _wrapper_child_name(module: nn.Module) -> str | None:
     opt_cls = getattr(opt_cls, "OptimizedModule", None)
     if opt_cls is not None and isinstance(module, opt_cls):
         return "_orig_mod"
-    return None
+    return _delegate_child_name(module)
+
+
+def _delegate_child_name(module: nn.Module) -> str | None:
+    """The child a *delegating* wrapper hands ``state_dict()`` to, found by structure.
+
+    A module whose class overrides ``state_dict``, that holds no tensors of its own,
+    and whose children all reach one and the same module (after the known wrappers:
+    FSDP1, DDP, compile, activation checkpointing) can only be showing that module's
+    state: Lightning's ``_FabricModule`` registers the user's module twice
+    (``_forward_module``, ``_original_module``) and delegates to it; user and
+    framework wrappers that forward ``state_dict()`` to one inner module look the
+    same. A container that does not override ``state_dict`` is never skipped: torch
+    prefixes its children's keys, and so do we.
+    """
+    if type(module).state_dict is nn.Module.state_dict:
+        return None
+    if any(p is not None for p in module._parameters.values()) or any(
+        b is not None and n not in module._non_persistent_buffers_set
+        for n, b in module._buffers.items()
+    ):
+        return None
+    children = [(n, c) for n, c in module._modules.items() if c is not None]
+    if not children or len({id(unwrap(c)) for _, c in children}) != 1:
+        return None
+    target = unwrap(children[0][1])
+    # Prefer the child that is the module itself (Lightning's _original_module) over
+    # a wrapper of it: the walk unwraps either way.
+    return next((n for n, c in children if c is target), children[0][0])
 
 
 def unwrap(module: nn.Module) -> nn.Module:

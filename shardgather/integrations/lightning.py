@@ -1,0 +1,233 @@
+"""Lightning (Trainer and Fabric): checkpoints through shardgather — one consolidated,
+unwrapped directory (``model.safetensors`` a plain ``nn.Module`` loads, optimizer state
+keyed by the plain names, the rest of Lightning's checkpoint in ``extra.pt``), streamed
+from the shards and loaded back with each rank reading only its own bytes.
+
+Switch it on with one argument::
+
+    from shardgather.integrations.lightning import ModelParallelStrategy
+    trainer = L.Trainer(strategy=ModelParallelStrategy(), ...)          # Trainer
+    fabric = L.Fabric(strategy=FabricModelParallelStrategy(fn), ...)    # Fabric
+
+Why a Strategy and not a ``CheckpointIO`` or a ``Callback``: the strategy is the one
+hook that holds the *sharded* model and optimizer at save and at load time.
+``CheckpointIO.save_checkpoint`` receives a dict Lightning has already gathered (every
+tensor on rank 0, the slow and memory-hungry step this library removes) and
+``Callback.on_save_checkpoint`` runs after that gather too; neither can load into the
+shards, so every rank would read the whole checkpoint (the CPU OOM of Lightning's
+FSDP reports). The classes here override only the checkpoint methods of Lightning's own
+strategies, so everything else (setup, precision, launch) stays Lightning's.
+
+Lightning is imported only when this module is (the core imports no framework).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import FSDPStrategy as _FabricFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy as _TrainerFSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
+from torch import nn
+
+from ..api import DEFAULT_TIMEOUT
+from ..errors import CheckpointError, ShardGatherError
+from ..resume import load_checkpoint, save_checkpoint
+
+__all__ = [
+    "FSDPStrategy",
+    "FabricFSDPStrategy",
+    "FabricModelParallelStrategy",
+    "ModelParallelStrategy",
+]
+
+# Lightning's own keys for what the directory stores natively.
+_MODEL_KEY, _OPTIM_KEY = "state_dict", "optimizer_states"
+
+
+def _plain(value: Any) -> Any:
+    """Lightning's checkpoint metadata with dict subclasses (``AttributeDict``
+    hyper-parameters) as plain dicts, so that it loads with ``weights_only=True``."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _one_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer | None:
+    if len(optimizers) > 1:
+        raise ShardGatherError(
+            f"shardgather's Lightning strategies save one optimizer, this run has "
+            f"{len(optimizers)}; use Lightning's own strategy for several optimizers"
+        )
+    opt = optimizers[0] if optimizers else None
+    return getattr(opt, "_optimizer", opt)  # LightningOptimizer -> the torch optimizer
+
+
+def _remove(path: str | os.PathLike, is_global_zero: bool) -> None:
+    if is_global_zero and os.path.isdir(path):
+        shutil.rmtree(path)
+    elif is_global_zero and os.path.exists(path):
+        os.unlink(path)
+
+
+class _TrainerCheckpoints:
+    """The Trainer's checkpoint methods, for a strategy whose ``model`` is sharded."""
+
+    model: nn.Module | None
+    optimizers: list[torch.optim.Optimizer]
+    lightning_module: Any
+    is_global_zero: bool
+    broadcast: Callable[..., Any]
+    checkpoint_timeout: datetime.timedelta = DEFAULT_TIMEOUT
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Nothing is gathered here: save_checkpoint streams the model from its shards.
+        return {}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores it, into the shards
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint already loaded the model, each rank its own bytes
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise ShardGatherError("storage_options are not supported by shardgather's strategy")
+        assert self.model is not None
+        path = self.broadcast(os.fspath(filepath))
+        extra = {k: v for k, v in checkpoint.items() if k not in (_MODEL_KEY, _OPTIM_KEY)}
+        # trainer.save_checkpoint(weights_only=True) leaves the optimizer out: so do we.
+        opt = _one_optimizer(self.optimizers) if _OPTIM_KEY in checkpoint else None
+        save_checkpoint(path, self.model, opt, extra=_plain(extra), timeout=self.checkpoint_timeout)
+
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        assert self.model is not None
+        path = self.broadcast(os.fspath(checkpoint_path))
+        if not os.path.isdir(path):
+            raise CheckpointError(
+                f"{path}: not a shardgather checkpoint directory (a checkpoint of Lightning's "
+                "own strategies loads with that strategy)"
+            )
+        strict = getattr(self.lightning_module, "strict_loading", True)
+        opt = _one_optimizer(self.optimizers)
+        return load_checkpoint(
+            path,
+            self.model,
+            opt,
+            strict=strict,
+            trust_pickle=weights_only is False,  # Lightning's explicit opt-in
+            timeout=self.checkpoint_timeout,
+        )
+
+    def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
+        _remove(filepath, self.is_global_zero)
+
+
+class ModelParallelStrategy(_TrainerCheckpoints, _TrainerModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2), checkpointing through shardgather."""
+
+
+class FSDPStrategy(_TrainerCheckpoints, _TrainerFSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1; GPUs only in Lightning), checkpointing
+    through shardgather."""
+
+
+class _FabricCheckpoints:
+    """Fabric's ``save``/``load`` for a strategy whose modules are sharded."""
+
+    broadcast: Callable[..., Any]
+    world_size: int
+    checkpoint_timeout: datetime.timedelta = DEFAULT_TIMEOUT
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: Any = None,
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise ShardGatherError(
+                "storage_options and filter are not supported by shardgather's strategy"
+            )
+        model, opt, extra = _split(state)
+        save_checkpoint(
+            self.broadcast(os.fspath(path)),
+            model,
+            opt,
+            extra=_plain(extra),
+            timeout=self.checkpoint_timeout,
+        )
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: nn.Module | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        path = self.broadcast(os.fspath(path))
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        if not state:
+            raise ShardGatherError("fabric.load(path, state) needs a state with the model in it")
+        model, opt, wanted = _split(state)
+        extra = load_checkpoint(
+            path,
+            model,
+            opt,
+            strict=strict,
+            trust_pickle=weights_only is False,
+            timeout=self.checkpoint_timeout,
+        )
+        missing = [k for k in wanted if k not in extra]
+        if strict and missing:
+            raise CheckpointError(f"{path}: the checkpoint has no {missing}")
+        for k in wanted:  # Fabric copies these back into the caller's dict
+            if k in extra:
+                state[k] = extra.pop(k)
+        return extra
+
+
+def _split(
+    state: Mapping[str, Any],
+) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
+    """(the model, the optimizer or None, everything else) of a Fabric state dict."""
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    optims = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
+    if len(modules) != 1 or len(optims) > 1:
+        raise ShardGatherError(
+            "shardgather's Fabric strategies save one model and at most one optimizer per "
+            f"checkpoint; this state has models {modules} and optimizers {optims}"
+        )
+    rest = {k: v for k, v in state.items() if k not in modules and k not in optims}
+    return state[modules[0]], state[optims[0]] if optims else None, rest
+
+
+class FabricModelParallelStrategy(_FabricCheckpoints, _FabricModelParallelStrategy):
+    """Fabric's ``ModelParallelStrategy`` (FSDP2), checkpointing through shardgather."""
+
+
+class FabricFSDPStrategy(_FabricCheckpoints, _FabricFSDPStrategy):
+    """Fabric's ``FSDPStrategy`` (FSDP1), checkpointing through shardgather."""

@@ -1,0 +1,256 @@
+"""Lightning 2.6, for real (Fabric and the Trainer, ModelParallelStrategy = FSDP2 on
+the CPU with gloo, 2 processes): keys are the plain model's whatever Lightning wraps
+around it, and shardgather's strategies save consolidated checkpoints that a plain
+``nn.Module`` loads and that resume bit-exactly."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import shardgather as sg
+
+from . import dist_harness
+from .compare import diff_state_dicts
+from .models import TinyLM, batch
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.distributed
+
+
+def _lightning_env(rank: int, world: int) -> None:
+    # The harness made the processes and the process group: Lightning joins them.
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="1",
+    )
+
+
+def _fully_shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fabric(world: int, shardgather_strategy: bool):  # type: ignore[no-untyped-def]
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from shardgather.integrations.lightning import FabricModelParallelStrategy
+
+    cls = FabricModelParallelStrategy if shardgather_strategy else ModelParallelStrategy
+    strategy = cls(
+        parallelize_fn=lambda m, mesh: _fully_shard(m, mesh["data_parallel"]),
+        data_parallel_size=world,
+        tensor_parallel_size=1,
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _fabric_model(fabric, seed: int):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    plain = TinyLM()
+    model = fabric.setup_module(copy.deepcopy(plain))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return plain, model, opt
+
+
+def _fabric_steps(fabric, model, opt, rank: int, start: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    for s in range(start, start + n):
+        opt.zero_grad()
+        fabric.backward(model(batch(rank, s)).float().pow(2).mean())
+        opt.step()
+
+
+def fabric_keys_worker(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """Lightning's own strategy: every shardgather verb on the _FabricModule."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    _lightning_env(rank, world)
+    fabric = _fabric(world, shardgather_strategy=False)
+    plain, model, opt = _fabric_model(fabric, seed=0)
+    problems: list[str] = []
+    sd = sg.full_state_dict(model)
+    if rank == 0:
+        problems += ["before training: " + p for p in diff_state_dicts(sd, plain.state_dict())]
+    _fabric_steps(fabric, model, opt, rank, 0, 2)
+    sd = sg.full_state_dict(model)
+    ref = get_model_state_dict(
+        model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    osd = sg.full_optim_state_dict(model, opt)
+    file = os.path.join(path, "model.safetensors")
+    sg.save_full_state_dict(model, file)
+    if rank == 0:
+        problems += ["vs torch: " + p for p in diff_state_dicts(sd, ref)]
+        fresh = TinyLM()
+        fresh.load_state_dict(sg.load_file(file), strict=True)  # a plain module loads it
+        problems += ["file: " + p for p in diff_state_dicts(fresh.state_dict(), sd)]
+        names = {k for k, _ in plain.named_parameters()}
+        if set(osd["state"]) != names:
+            problems.append(f"optimizer keys {sorted(osd['state'])[:4]}...")
+    # A plain checkpoint loads into the Fabric module.
+    torch.manual_seed(9)
+    other = TinyLM()
+    sg.save_full_state_dict(other, os.path.join(path, "plain.safetensors"))  # every rank
+    sg.load_full_state_dict(model, os.path.join(path, "plain.safetensors"))
+    got = sg.full_state_dict(model)
+    if rank == 0:
+        problems += ["plain into fabric: " + p for p in diff_state_dicts(got, other.state_dict())]
+    return {"problems": problems, "keys": len(sd)}
+
+
+def test_fabric_module_keys_are_the_plain_models(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run("tests.test_lightning:fabric_keys_worker", 2, path=str(tmp_path))
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert results[0]["keys"] == len(TinyLM().state_dict())
+
+
+def fabric_resume_worker(rank: int, world: int, ckpt: str, phase: str, n: int) -> dict:  # type: ignore[type-arg]
+    """phase "save": train n steps, fabric.save, train n more (the uninterrupted run);
+    "resume": a fresh model (other seed) fabric.load's and trains the same n steps."""
+    _lightning_env(rank, world)
+    fabric = _fabric(world, shardgather_strategy=True)
+    _, model, opt = _fabric_model(fabric, seed=0 if phase == "save" else 1)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0, "note": None}
+    if phase == "save":
+        _fabric_steps(fabric, model, opt, rank, 0, n)
+        fabric.save(ckpt, {"model": model, "optimizer": opt, "step": n, "note": "hi"})
+        saved = sg.full_state_dict(model)
+    else:
+        remainder = fabric.load(ckpt, state)
+        saved = sg.full_state_dict(model)
+        if state["step"] != n or state["note"] != "hi" or remainder:
+            return {"problems": [f"state after load {state['step']}, {state['note']}"]}
+    if world > 1:
+        _fabric_steps(fabric, model, opt, rank, n, n)
+    return {"problems": [], "saved": saved, "final": sg.full_state_dict(model)}
+
+
+def test_fabric_strategy_saves_consolidated_and_resumes_bit_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ckpt = str(tmp_path / "ckpt")
+    kw = {"ckpt": ckpt, "n": 2}
+    a = dist_harness.run("tests.test_lightning:fabric_resume_worker", 2, phase="save", **kw)[0]
+    assert sorted(os.listdir(ckpt)) == [
+        "extra.pt",
+        "model.safetensors",
+        "optim.json",
+        "optim.safetensors",
+    ]
+    plain = TinyLM()
+    plain.load_state_dict(sg.load_file(os.path.join(ckpt, "model.safetensors")), strict=True)
+    assert not diff_state_dicts(plain.state_dict(), a["saved"])
+    b = dist_harness.run("tests.test_lightning:fabric_resume_worker", 2, phase="resume", **kw)
+    assert not b[0]["problems"], b[0]["problems"]
+    assert not diff_state_dicts(b[0]["saved"], a["saved"])
+    assert not diff_state_dicts(b[0]["final"], a["final"])  # continued bit-exactly
+    # Another world size loads the same checkpoint.
+    c = dist_harness.run("tests.test_lightning:fabric_resume_worker", 1, phase="resume", **kw)
+    assert not c[0]["problems"] and not diff_state_dicts(c[0]["saved"], a["saved"])
+
+
+# ------------------------------------------------------------------------------- Trainer
+
+
+def _lit_module():  # type: ignore[no-untyped-def]
+    import lightning as L
+
+    class LitLM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lm = TinyLM()
+            self.save_hyperparameters({"d": 12})  # an AttributeDict in the checkpoint
+
+        def configure_model(self) -> None:
+            _fully_shard(self.lm, self.device_mesh["data_parallel"])
+
+        def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
+            return self.lm(tokens).float().pow(2).mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            # Every sample alike: which batch a resumed epoch starts with is Lightning's
+            # data-loader business (a plain DataLoader cannot resume mid-epoch); the
+            # model, optimizer, LR schedule and loop counters are the checkpoint's.
+            data = batch(0, 0)[:1].repeat(8, 1)
+            return torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
+
+    return LitLM()
+
+
+def _trainer(world: int, max_steps: int):  # type: ignore[no-untyped-def]
+    import lightning as L
+
+    from shardgather.integrations.lightning import ModelParallelStrategy
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def trainer_worker(rank: int, world: int, ckpt: str) -> dict:  # type: ignore[type-arg]
+    """Uninterrupted 4 steps; 2 steps + save; a fresh Trainer resumes to 4 steps."""
+    _lightning_env(rank, world)
+    whole = _trainer(world, 4)
+    module = _lit_module()
+    whole.fit(module)
+    want = sg.full_state_dict(whole.strategy.model)
+
+    first = _trainer(world, 2)
+    module = _lit_module()
+    first.fit(module)
+    first.save_checkpoint(ckpt)
+    saved = sg.full_state_dict(first.strategy.model)
+
+    second = _trainer(world, 4)
+    module = _lit_module()
+    second.fit(module, ckpt_path=ckpt)
+    got = sg.full_state_dict(second.strategy.model)
+    problems: list[str] = []
+    if rank == 0:
+        problems += ["resumed: " + p for p in diff_state_dicts(got, want)]
+        if second.global_step != 4:
+            problems.append(f"global_step {second.global_step}")
+    return {"problems": problems, "saved": saved}
+
+
+def test_trainer_strategy_saves_consolidated_and_resumes_bit_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ckpt = str(tmp_path / "last.ckpt")
+    results = dist_harness.run("tests.test_lightning:trainer_worker", 2, ckpt=ckpt)
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    # The consolidated weights load into the plain LightningModule's network.
+    plain = TinyLM()
+    sd = sg.load_file(os.path.join(ckpt, "model.safetensors"))
+    plain.load_state_dict({k.removeprefix("lm."): v for k, v in sd.items()}, strict=True)
+    assert not diff_state_dicts(
+        {f"lm.{k}": v for k, v in plain.state_dict().items()}, results[0]["saved"]
+    )
+    extra = torch.load(os.path.join(ckpt, "extra.pt"), weights_only=True)
+    assert extra["global_step"] == 2 and extra["hyper_parameters"] == {"d": 12}
