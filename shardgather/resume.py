@@ -184,7 +184,7 @@ class _SavedOptimizer:
     elements: dict[str, list[str]]
 
 
-def _read_optimizer(root: str) -> _SavedOptimizer:
+def _read_optimizer(root: str, trust_pickle: bool) -> _SavedOptimizer:
     """Read and validate optim.json (or a legacy optim.pt, without unpickling code) and
     the header of optim.safetensors; nothing is loaded yet."""
     optim_file = os.path.join(root, OPTIM_FILE)
@@ -196,7 +196,7 @@ def _read_optimizer(root: str) -> _SavedOptimizer:
         with open(meta_file, "rb") as f:
             meta = json_values.loads(f.read(), meta_file)
     else:
-        meta = _torch_load(legacy, trust_pickle=False)
+        meta = _torch_load(legacy, trust_pickle)
     if not (
         isinstance(meta, dict)
         and isinstance(meta.get("param_groups"), list)
@@ -209,7 +209,7 @@ def _read_optimizer(root: str) -> _SavedOptimizer:
         )
     ):
         raise CheckpointError(
-            f"{meta_file}: corrupt optimizer metadata (want param_groups, scalars, elements)"
+            f"{root}: corrupt optimizer metadata (want param_groups, scalars, elements)"
         )
     header = read_header(optim_file)
     stored = set(header.tensors)
@@ -255,8 +255,9 @@ def load_checkpoint(
     Nothing is unpickled: ``extra.pt`` is read with ``weights_only=True``.
 
     Args:
-        trust_pickle: read ``extra.pt`` with full unpickling, for ``extra`` holding
-            arbitrary objects. Only for checkpoints you trust: unpickling runs code.
+        trust_pickle: read ``extra.pt`` (and a pre-0.2 ``optim.pt``) with full
+            unpickling, for ``extra`` holding arbitrary objects. Only for checkpoints
+            you trust: unpickling runs code.
 
     Raises:
         CheckpointError: not a checkpoint directory, a file is missing or corrupt, or
@@ -273,7 +274,7 @@ def load_checkpoint(
             raise CheckpointError(f"{root}: not a shardgather checkpoint ({MODEL_FILE} missing)")
         read_header(model_file)
         if optimizer is not None:
-            saved = _read_optimizer(root)
+            saved = _read_optimizer(root, trust_pickle)
             check_saved_state(model, optimizer, saved.param_groups, saved.shapes, saved.elements)
         extra_file = os.path.join(root, EXTRA_FILE)
         if os.path.isfile(extra_file):
