@@ -598,6 +598,14 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
         if isinstance(t, torch.Tensor)
     )
     out["largest_tensor_bytes"] = max(e.nbytes for e in build_plan(model).entries.values())
+    # A checkpoint directory into a fresh optimizer: every rank preads only its own
+    # elements of each state tensor from optim.safetensors (what Lightning's strategies
+    # run on resume).
+    again = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_checkpoint(path + ".ckpt", model, again)
+    out["checkpoint_load_rise"] = m["peak_rise"]
     out["osd_bytes"] = sum(
         t.numel() * t.element_size()
         for st in osd.get("state", {}).values()
