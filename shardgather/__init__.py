@@ -40,3 +40,7 @@ __all__ += ["full_optim_state_dict", "load_full_optim_state_dict"]
 from .resume import load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ += ["load_checkpoint", "save_checkpoint"]
+
+from .stream import Gatherer, iter_full_tensors  # noqa: E402
+
+__all__ += ["Gatherer", "iter_full_tensors"]

@@ -9,8 +9,10 @@ early becomes a :class:`CollectiveError` on every rank instead of a hang.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -231,44 +233,94 @@ def _direct_row(b: Bucket, device: torch.device) -> torch.Tensor | None:
     return chunk.view(torch.uint8) if chunk.element_size() > 1 else chunk
 
 
-def gather_buckets(
-    buckets: list[Bucket],
-    receive: Callable[[Bucket], bool],
-    *,
-    timeout: datetime.timedelta,
-    use_gather: bool,
-) -> Iterator[tuple[Bucket, torch.Tensor | None]]:
-    """Gather each bucket and yield ``(bucket, rows)``: rows is uint8 ``[world,
-    row_bytes]`` where this rank receives, else None. The next bucket's collective is
-    in flight while the caller consumes the current one (two buffers alternate).
+def _point_to_point(b: Bucket, inp: torch.Tensor) -> bool:
+    """Whether to move a bucket's rows by point-to-point sends instead of a collective:
+    on gloo with CPU rows. Gloo's all-gather and gather receive into a fresh flat
+    tensor of the whole gathered bucket and then copy it into the output (one bucket
+    allocated, first-touched and copied per call); its receives write into the
+    output rows themselves. The same bytes cross the wire."""
+    return not inp.is_cuda and "gloo" in str(dist.get_backend(b.group)).lower()
+
+
+class _Works:
+    """Several in-flight sends and receives, waited on as one, within one timeout."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for w in self.works:
+            left = max(deadline - time.monotonic(), 0.001)
+            if w.wait(datetime.timedelta(seconds=left)) is False:
+                return False
+        return True
+
+
+def _exchange_rows(b: Bucket, inp: torch.Tensor, out: torch.Tensor, to_one: bool) -> _Works:
+    """All-gather (or, ``to_one``, gather to the group's first rank) one bucket's rows
+    by sends and receives into ``out``'s rows. Every pair of ranks posts its messages
+    in bucket order, so they match in order."""
+    me = dist.get_rank()
+    ranks = list(b.ranks)
+    mine = b.rank  # rows are in group-rank order
+    dst = min(ranks)
+    works: list[Any] = []
+    if not to_one or me == dst:
+        for j, r in enumerate(ranks):
+            if r != me:
+                works.append(dist.irecv(out[j], src=r, group=b.group))
+        out[mine].copy_(inp)
+    for r in ranks if not to_one else [dst]:
+        if r != me:
+            works.append(dist.isend(inp, dst=r, group=b.group))
+    return _Works(works)
+
+
+class BucketGathers:
+    """Launch and wait the bucket gathers one at a time, into ``slots`` reused buffer
+    pairs (send row, gathered rows): bucket ``i`` uses slot ``i % slots``, so at most
+    ``slots`` gathers may be in flight or held by the caller at once.
 
     Args:
         receive: whether this rank needs the gathered rows of a bucket.
         use_gather: send rows to the receiving rank only (``dist.gather``; rank-0-only
             output) instead of to every rank (``all_gather_into_tensor``).
     """
-    if not buckets:
-        return
-    max_row = max(b.row_bytes for b in buckets)
-    max_world = max(b.world for b in buckets)
-    pools: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def buffers(device: torch.device, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in pools:
-            pools[device] = [
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        receive: Callable[[Bucket], bool],
+        *,
+        timeout: datetime.timedelta,
+        use_gather: bool,
+        slots: int = 2,
+    ) -> None:
+        self.buckets, self.receive, self.timeout = buckets, receive, timeout
+        self.use_gather, self.slots = use_gather, slots
+        self._max_row = max((b.row_bytes for b in buckets), default=0)
+        self._max_world = max((b.world for b in buckets), default=0)
+        self._pools: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._works: dict[int, tuple[Any, torch.Tensor | None]] = {}
+
+    def _buffers(self, device: torch.device, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._pools:
+            self._pools[device] = [
                 (
-                    torch.empty(max_row, dtype=torch.uint8, device=device),
-                    torch.empty(max_world * max_row, dtype=torch.uint8, device=device),
+                    torch.empty(self._max_row, dtype=torch.uint8, device=device),
+                    torch.empty(self._max_world * self._max_row, dtype=torch.uint8, device=device),
                 )
-                for _ in range(2)
+                for _ in range(self.slots)
             ]
-        return pools[device][slot]
+        return self._pools[device][slot]
 
-    def launch(i: int):  # type: ignore[no-untyped-def]
-        b = buckets[i]
+    def launch(self, i: int) -> None:
+        """Pack this rank's row of bucket ``i`` and start its collective."""
+        b = self.buckets[i]
         first = b.pieces[0].source.local()
         device = _collective_device(b, first.device)
-        inp_full, out_full = buffers(device, i % 2)
+        inp_full, out_full = self._buffers(device, i % self.slots)
         inp = inp_full[: b.row_bytes]
         direct = _direct_row(b, device)
         if direct is not None:
@@ -282,9 +334,10 @@ def gather_buckets(
                 chunk = local[lo:hi].view(torch.uint8) if itemsize > 1 else local[lo:hi]
                 inp[piece.col_byte : piece.col_byte + chunk.numel()].copy_(chunk.reshape(-1))
         out = out_full[: b.nbytes].view(b.world, b.row_bytes)
-        wants = receive(b)
         try:
-            if use_gather:
+            if _point_to_point(b, inp):
+                work = _exchange_rows(b, inp, out, self.use_gather)
+            elif self.use_gather:
                 dst = min(r for r in b.ranks)  # the group's receiving rank (global rank 0)
                 rows = list(out.unbind(0)) if dist.get_rank() == dst else None
                 work = dist.gather(inp, rows, dst=dst, group=b.group, async_op=True)
@@ -294,12 +347,34 @@ def gather_buckets(
             raise CollectiveError(
                 f"rank {dist.get_rank()}: launching the gather of bucket {i} failed: {exc}"
             ) from exc
-        return work, (out if wants else None)
+        self._works[i] = (work, out if self.receive(b) else None)
 
-    pending = launch(0)
+    def wait(self, i: int) -> torch.Tensor | None:
+        """Wait for bucket ``i`` (bounded by the timeout): uint8 ``[world, row_bytes]``
+        where this rank receives, else None. Valid until bucket ``i + slots`` launches."""
+        work, out = self._works.pop(i)
+        wait_or_raise(work, self.timeout, f"gather of bucket {i}/{len(self.buckets)}")
+        return out
+
+
+def gather_buckets(
+    buckets: list[Bucket],
+    receive: Callable[[Bucket], bool],
+    *,
+    timeout: datetime.timedelta,
+    use_gather: bool,
+) -> Iterator[tuple[Bucket, torch.Tensor | None]]:
+    """Gather each bucket and yield ``(bucket, rows)``: rows is uint8 ``[world,
+    row_bytes]`` where this rank receives, else None. The next bucket's collective is
+    in flight while the caller consumes the current one (two buffers alternate).
+    Arguments as for :class:`BucketGathers`.
+    """
+    if not buckets:
+        return
+    gathers = BucketGathers(buckets, receive, timeout=timeout, use_gather=use_gather)
+    gathers.launch(0)
     for i in range(len(buckets)):
-        work, out = pending
-        wait_or_raise(work, timeout, f"gather of bucket {i}/{len(buckets)}")
+        rows = gathers.wait(i)
         if i + 1 < len(buckets):
-            pending = launch(i + 1)
-        yield buckets[i], out
+            gathers.launch(i + 1)
+        yield buckets[i], rows

@@ -9,6 +9,7 @@ that staging buffer. Ranks on other hosts send their pieces to rank 0 point to p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -147,6 +148,27 @@ def shm_layout(
     return offsets, {dt: max(n, 64) for dt, n in sizes.items()}
 
 
+class HeldRegions:
+    """A node-local gather's shared-memory regions, kept open between calls (by a
+    :class:`shardgather.Gatherer`): a repeated gather writes into the same, already
+    faulted-in pages and needs none of the hand-off collectives (creating, naming,
+    opening). ``key`` is the plan fingerprint they were made for."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.fds: dict[torch.dtype, int] = {}
+        self.regions: dict[torch.dtype, torch.Tensor] = {}
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.key, self.fds, self.regions = None, {}, {}
+
+    def __del__(self) -> None:  # a gatherer dropped without close() leaks no fds
+        self.close()
+
+
 def gather_to_shm(
     plan: GatherPlan,
     participating: Callable[[int], bool],
@@ -154,6 +176,7 @@ def gather_to_shm(
     timeout: datetime.timedelta,
     agree_ok: Callable[[bool, str], list[str]],
     message_bytes: int,
+    held: HeldRegions | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Every participating rank on rank 0's host writes its pieces into shared-memory
     regions (one per dtype) that rank 0 maps; ranks elsewhere send theirs to rank 0.
@@ -163,12 +186,32 @@ def gather_to_shm(
     anywhere, so nothing can leak, and no room needed in /dev/shm, which containers cap
     at 64 MiB), or else a /dev/shm file unlinked as soon as every rank has opened it.
     Each is freed when its last output view dies.
+
+    With ``held``, the regions stay open after the call and a later call with the same
+    plan writes into them again (every rank's ``held`` has the same history, so all
+    take the same branch).
     """
     rank = plan.rank
     offsets, sizes = shm_layout(plan)
     dtypes = list(sizes)
-    hosts = host_ids()  # collectives first, on every rank
     remote = remote_pieces(plan, participating)
+    if held is not None and held.key == plan.fingerprint:
+        return _fill(
+            plan,
+            participating,
+            remote,
+            held.fds,
+            held.regions,
+            offsets,
+            copy_local,
+            timeout,
+            agree_ok,
+            message_bytes,
+            held,
+        )
+    if held is not None:
+        held.close()
+    hosts = host_ids()  # collectives first, on every rank
     memfd = memfd_shareable()
     tag = uuid.uuid4().hex
     names: list[list[str]] = [[]]
@@ -206,6 +249,47 @@ def gather_to_shm(
                 )
                 if not memfd:
                     os.unlink(name)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rank == 0 and not memfd:
+            for name in names[0]:
+                if os.path.exists(name):
+                    os.unlink(name)
+    return _fill(
+        plan,
+        participating,
+        remote,
+        fds,
+        regions,
+        offsets,
+        copy_local,
+        timeout,
+        agree_ok,
+        message_bytes,
+        held,
+        error,
+    )
+
+
+def _fill(
+    plan: GatherPlan,
+    participating: Callable[[int], bool],
+    remote: dict[int, list[_pieces.Piece]],
+    fds: dict[torch.dtype, int],
+    regions: dict[torch.dtype, torch.Tensor],
+    offsets: dict[str, tuple[torch.dtype, int]],
+    copy_local: Callable[[torch.Tensor, Entry, torch.Tensor], None],
+    timeout: datetime.timedelta,
+    agree_ok: Callable[[bool, str], list[str]],
+    message_bytes: int,
+    held: HeldRegions | None,
+    error: str = "",
+) -> dict[str, torch.Tensor] | None:
+    """Every rank writes its pieces into the open regions; all agree; the fds are kept
+    in ``held`` (or closed)."""
+    rank = plan.rank
+    try:
         # Even after a local failure: the exchange with remote ranks must run its course.
         got = _write_everything(
             plan,
@@ -223,14 +307,15 @@ def gather_to_shm(
                     copy_local(e.source.local(), e, _view(regions, offsets[key], e))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-        if rank == 0 and not memfd:
-            for name in names[0]:
-                if os.path.exists(name):
-                    os.unlink(name)
     failures = agree_ok(not error, error)
+    if held is not None and not failures:
+        held.key, held.fds, held.regions = plan.fingerprint, fds, regions
+    else:
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if held is not None:
+            held.key, held.fds, held.regions = None, {}, {}
     if failures:
         from .errors import CollectiveError
 

@@ -40,10 +40,12 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def build_gpt(size_gb: float, device: torch.device | str = "cpu") -> GPT:
-    """A tied-embedding GPT of about ``size_gb`` GiB of fp32 parameters, seeded."""
+def build_gpt(size_gb: float, device: torch.device | str = "cpu", width: int | None = None) -> GPT:
+    """A tied-embedding GPT of about ``size_gb`` GiB of fp32 parameters, seeded.
+    ``width``: the model dimension (default 1024, 2048 from 2 GiB); a narrow one gives
+    many small parameters for the size."""
     device = torch.device(device)
-    d = 1024 if size_gb < 2 else 2048
+    d = width or (1024 if size_gb < 2 else 2048)
     vocab = 32000
     per_layer = 12 * d * d + 13 * d
     layers = max(1, round((size_gb * 2**30 / 4 - vocab * d) / per_layer))
