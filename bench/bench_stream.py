@@ -33,13 +33,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_ranks
 
 from shardgather._memory import peak_rss_rise, trim
 from shardgather.testing import build_gpt
@@ -136,114 +135,65 @@ def _run_once(fn) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
     return dt, mem["peak_rise"], mem["shm_rise"]
 
 
-def worker(rank: int, world: int, args: argparse.Namespace, size_gb: float, tmp: str) -> None:
-    import faulthandler
+def worker(rank: int, world: int, args: argparse.Namespace, size_gb: float) -> dict:
+    """One rank of one size: the stream methods, then the dict verb repeated."""
+    import shardgather as sg
 
-    faulthandler.enable()  # a crash in a worker shows where
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/rdzv",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=20),
-    )
     out: dict = {}
-    try:
-        import shardgather as sg
+    model = _shard(build_gpt(size_gb, width=args.width), world)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    out["params"] = sum(1 for _ in model.parameters())
+    # The engine's own weights: allocated and touched before anything is timed.
+    engine = {
+        k: torch.zeros(p.shape, dtype=p.dtype)
+        for k, p in [*model.named_parameters(), *model.named_buffers()]
+    }
+    trim()
+    methods = _stream_methods(model, args, engine)
+    stats: dict = {name: {"times": [], "rss": [], "verified": None} for name in methods}
+    for name, fn in methods.items():  # warm-up, verified
+        for t in engine.values():
+            t.zero_()
+        _run_once(fn)
+        if "floor" not in name:
+            stats[name]["verified"] = _engine_equal(engine, model)
+    order = list(methods)
+    for rep in range(args.repeats):
+        for name in order if rep % 2 == 0 else order[::-1]:
+            dt, rss, _ = _run_once(methods[name])
+            stats[name]["times"].append(dt)
+            stats[name]["rss"].append(rss)
+            trim()
+    out["stream"] = stats
+    out["largest"] = largest
+    del engine, methods
+    trim()
 
-        model = _shard(build_gpt(size_gb, width=args.width), world)
-        largest = max(p.numel() * p.element_size() for p in model.parameters())
-        out["params"] = sum(1 for _ in model.parameters())
-        # The engine's own weights: allocated and touched before anything is timed.
-        engine = {
-            k: torch.zeros(p.shape, dtype=p.dtype)
-            for k, p in [*model.named_parameters(), *model.named_buffers()]
-        }
-        trim()
-        methods = _stream_methods(model, args, engine)
-        stats: dict = {name: {"times": [], "rss": [], "verified": None} for name in methods}
-        for name, fn in methods.items():  # warm-up, verified
-            for t in engine.values():
-                t.zero_()
-            _run_once(fn)
-            if "floor" not in name:
-                stats[name]["verified"] = _engine_equal(engine, model)
-        order = list(methods)
-        for rep in range(args.repeats):
-            for name in order if rep % 2 == 0 else order[::-1]:
-                dt, rss, _ = _run_once(methods[name])
-                stats[name]["times"].append(dt)
-                stats[name]["rss"].append(rss)
+    # The dict verb, repeated.
+    if size_gb == args.dict_size_gb:
+        g = sg.Gatherer(model, bucket_mb=args.bucket_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        calls: dict = {"reused": [], "fresh": []}
+        ok = True
+        for i in range(args.calls):
+            for p in model.parameters():  # a "training step": every call sees new values
+                p.grad = torch.full_like(p, 1e-3)
+            opt.step()
+            for name in ("reused", "fresh") if i % 2 == 0 else ("fresh", "reused"):
+                fn = g.full_state_dict if name == "reused" else (lambda: sg.full_state_dict(model))
+                box: list = []
+                dt, rss, shm = _run_once(lambda fn=fn, box=box: box.append(fn()))
+                calls[name].append((dt, rss, shm))
+                if name == "reused":
+                    ref = _torch_full(model, everyone=False)
+                    if rank == 0:
+                        ok &= all(torch.equal(box[0][k], ref[k]) for k in ref)
+                    del ref
+                del box
                 trim()
-        out["stream"] = stats
-        out["largest"] = largest
-        del engine, methods
-        trim()
-
-        # The dict verb, repeated.
-        if size_gb == args.dict_size_gb:
-            g = sg.Gatherer(model, bucket_mb=args.bucket_mb)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            calls: dict = {"reused": [], "fresh": []}
-            ok = True
-            for i in range(args.calls):
-                for p in model.parameters():  # a "training step": every call sees new values
-                    p.grad = torch.full_like(p, 1e-3)
-                opt.step()
-                for name in ("reused", "fresh") if i % 2 == 0 else ("fresh", "reused"):
-                    fn = (
-                        g.full_state_dict
-                        if name == "reused"
-                        else (lambda: sg.full_state_dict(model))
-                    )
-                    box: list = []
-                    dt, rss, shm = _run_once(lambda fn=fn, box=box: box.append(fn()))
-                    calls[name].append((dt, rss, shm))
-                    if name == "reused":
-                        ref = _torch_full(model, everyone=False)
-                        if rank == 0:
-                            ok &= all(torch.equal(box[0][k], ref[k]) for k in ref)
-                        del ref
-                    del box
-                    trim()
-            g.close()
-            out["dict"] = {"calls": calls, "verified": ok}
-    except BaseException:
-        import traceback
-
-        out = {"__error__": traceback.format_exc()}
-    torch.save(out, f"{tmp}/rank{rank}.pt")
-    try:
-        dist.destroy_process_group()
-    finally:
-        os._exit(0)
-
-
-def _spawn(args: argparse.Namespace, size_gb: float) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="sg-bench-") as tmp:
-        procs = [
-            ctx.Process(target=worker, args=(r, args.world, args, size_gb, tmp))
-            for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        per_rank, errors = [], []
-        for r in range(args.world):
-            path = Path(tmp) / f"rank{r}.pt"
-            if not path.exists():
-                errors.append(f"rank {r} died (exit code {procs[r].exitcode})")
-                continue
-            res = torch.load(path, weights_only=False)
-            if "__error__" in res:
-                errors.append(f"rank {r} failed:\n{res['__error__']}")
-            per_rank.append(res)
-        if errors:
-            sys.exit("\n".join(errors))
-    return per_rank
+        g.close()
+        out["dict"] = {"calls": calls, "verified": ok}
+    return out
 
 
 def main() -> None:
@@ -262,7 +212,7 @@ def main() -> None:
 
     rows, dict_rows, params = [], [], {}
     for size in args.sizes:
-        per_rank = _spawn(args, size)
+        per_rank = run_ranks(worker, args.world, args, size)
         params[size] = per_rank[0]["params"]
         largest = per_rank[0]["largest"]
         bucket = int(args.bucket_mb * MiB)

@@ -19,6 +19,7 @@ import torch
 from ._fqn import FLAT_PARAM_COMPONENTS, clean_fqn, has_wrapper_components
 from .checkpoint import _cleanup
 from .errors import CheckpointError, ShardGatherError
+from .io.hf_layout import INDEX_SUFFIX, open_sources, safetensors_files
 from .io.safetensors_format import (
     ALIASES_KEY,
     encode_header,
@@ -50,13 +51,20 @@ def _torch_state_dict(path: str) -> dict[str, torch.Tensor]:
 def cmd_inspect(path: str) -> int:
     rows: list[tuple[str, str, tuple[int, ...], int]] = []
     aliases: dict[str, str] = {}
-    if _is_safetensors(path):
-        header = read_header(path)
-        aliases = header.aliases
+    files: list[str] = []
+    if os.path.isdir(path) or path.endswith(INDEX_SUFFIX):
+        files, weight_map = safetensors_files(path)
+        open_sources(files, weight_map)  # the files agree with each other and the index
+    elif _is_safetensors(path):
+        files = [path]
+    meta: dict[str, str] = {}
+    for f in files:
+        header = read_header(f)
+        aliases.update(header.aliases)
         for k, t in header.tensors.items():
             rows.append((k, str(t.dtype).replace("torch.", ""), t.shape, t.end - t.begin))
-        meta = {k: v for k, v in header.metadata.items() if k != ALIASES_KEY}
-    else:
+        meta.update({k: v for k, v in header.metadata.items() if k != ALIASES_KEY})
+    if not files:
         for k, v in _torch_state_dict(path).items():
             rows.append(
                 (
@@ -73,7 +81,8 @@ def cmd_inspect(path: str) -> int:
     for a, k in aliases.items():
         print(f"{a:{width}}  (alias of {k})")
     total = sum(r[3] for r in rows)
-    print(f"{len(rows)} tensors, {len(aliases)} aliases, {total / 2**20:.1f} MiB")
+    in_files = f" in {len(files)} files" if len(files) > 1 else ""
+    print(f"{len(rows)} tensors, {len(aliases)} aliases, {total / 2**20:.1f} MiB{in_files}")
     if meta:
         print(f"metadata: {json.dumps(meta)}")
     wrapped = [r[0] for r in rows if has_wrapper_components(r[0])]

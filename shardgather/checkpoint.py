@@ -31,9 +31,9 @@ from .api import (
     default_bucket_mb,
 )
 from .errors import CheckpointError, CollectiveError, ShardGatherError, StateDictMismatchError
+from .io.hf_layout import KeyMap, is_safetensors_source, map_keys, open_sources, safetensors_files
 from .io.safetensors_format import (
     ALIASES_KEY,
-    Header,
     encode_header,
     pread_into,
     pwrite_from,
@@ -393,9 +393,16 @@ def _validate(
     available: dict[str, tuple[tuple[int, ...], torch.dtype]],
     strict: bool,
     what: str,
+    renamed: dict[str, str] | None = None,
 ) -> LoadResult:
     """Compare the source's keys/shapes/dtypes with the model before touching anything.
-    A tied alias counts as present when its primary is (and vice versa)."""
+    A tied alias counts as present when its primary is (and vice versa). ``renamed``:
+    model key -> the source's own name, where a key map changed it (errors say both)."""
+    renamed = renamed or {}
+
+    def named(k: str) -> str:
+        return f"{k} (source key {renamed[k]!r})" if k in renamed else k
+
     have = set(available)
     for alias, primary in plan.aliases.items():
         if alias in have:
@@ -419,9 +426,11 @@ def _validate(
         if missing:
             parts.append(f"missing keys {missing}")
         if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
+            parts.append(f"unexpected keys {[named(k) for k in unexpected]}")
         if mismatched:
-            parts.append("mismatched " + "; ".join(f"{k}: {v}" for k, v in mismatched.items()))
+            parts.append(
+                "mismatched " + "; ".join(f"{named(k)}: {v}" for k, v in mismatched.items())
+            )
         raise StateDictMismatchError(
             f"{what} does not match the model: " + ", ".join(parts) + ". Nothing was loaded. "
             "Pass strict=False to load only the matching keys.",
@@ -454,11 +463,13 @@ def load_full_state_dict(
     strict: bool = True,
     bucket_mb: float = 64,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    key_map: KeyMap | None = None,
 ) -> LoadResult:
     """Load a full state dict into a (sharded) model, in place, each rank taking only
     its own elements.
 
-    From a safetensors file every rank preads only the byte ranges of its own shards
+    From safetensors — one file, or a Hugging Face directory of shard files with its
+    ``model.safetensors.index.json`` — every rank preads only the byte ranges of its own shards
     (plus the small tensors every rank holds in full, such as buffers) through a
     bounded staging buffer; a torch file is memory-mapped, so only the pages of a
     rank's own elements are read; a dict is used where it is, or — when only rank 0
@@ -471,10 +482,14 @@ def load_full_state_dict(
     Args:
         model: plain, DDP, FSDP1 or FSDP2 model (the same kinds as full_state_dict).
         source: a ``.safetensors`` path (e.g. from :func:`save_full_state_dict`), a
+            directory ``save_pretrained`` wrote (sharded or not) or its index file, a
             ``torch.save`` file (``.pt``/``.bin``; a nested ``state_dict``/``model`` dict
             is found; wrapped key names are cleaned), or a dict of full tensors.
         strict: raise on missing/unexpected keys; False loads the intersection.
         bucket_mb: staging buffer size for file reads.
+        key_map: the source's names -> the model's, applied before validation:
+            ``{source_prefix: model_prefix}`` (e.g. ``{"model.": ""}`` to load a causal
+            LM's file into its inner model) or a callable (None drops a key).
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` (clean names).
@@ -492,15 +507,22 @@ def load_full_state_dict(
     plan = build_plan(model)
     agree(plan, timeout)
     if isinstance(source, Mapping):
-        return _load_from_dict(plan, dict(source), strict, "the state dict", timeout)
+        return _load_from_dict(
+            plan, _renamed(dict(source), key_map), strict, "the state dict", timeout
+        )
     path = os.fspath(source)
-    if not _looks_like_safetensors(path):
-        return _load_from_dict(plan, _torch_file(path), strict, path, timeout)
-    header = read_header(path)
-    result = _validate(plan, _header_shapes(header), strict, path)
+    if not (is_safetensors_source(path) or _looks_like_safetensors(path)):
+        return _load_from_dict(plan, _renamed(_torch_file(path), key_map), strict, path, timeout)
+    # Every header (and the index) validated, and the keys matched, before any data moves.
+    stored = open_sources(*safetensors_files(path))
+    names = map_keys(stored, key_map)
+    sources = {model_key: stored[src_key] for model_key, src_key in names.items()}
+    shapes = {k: (tuple(info.shape), info.dtype) for k, (_, info) in sources.items()}
+    renamed = {k: v for k, v in names.items() if k != v}
+    result = _validate(plan, shapes, strict, path, renamed)
     error = ""
     try:
-        _read_own_bytes(plan, header, path, int(bucket_mb * 2**20))
+        _read_own_bytes(plan, sources, int(bucket_mb * 2**20))
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     failures = all_ok(not error, error)
@@ -543,8 +565,10 @@ def _torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
     }
 
 
-def _header_shapes(header: Header) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {k: (tuple(header.resolve(k).shape), header.resolve(k).dtype) for k in header.all_keys()}
+def _renamed(sd: dict[str, torch.Tensor], key_map: KeyMap | None) -> dict[str, torch.Tensor]:
+    if key_map is None:
+        return sd
+    return {model_key: sd[src_key] for model_key, src_key in map_keys(sd, key_map).items()}
 
 
 def _load_from_dict(
@@ -687,15 +711,22 @@ def _elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
-def _read_own_bytes(plan: GatherPlan, header: Header, path: str, staging_bytes: int) -> None:
-    """pread exactly this rank's elements of every entry and copy them into its shards."""
+def _read_own_bytes(
+    plan: GatherPlan, sources: Mapping[str, tuple[str, Any]], staging_bytes: int
+) -> None:
+    """pread exactly this rank's elements of every entry (from whichever file holds it:
+    ``sources`` maps a model key to (file, its tensor)) and copy them into its shards."""
     staging = torch.empty(0, dtype=torch.uint8)
-    fd = os.open(path, os.O_RDONLY)
+    fds: dict[str, int] = {}
     try:
         for key, e in plan.entries.items():
-            if key not in header.tensors and key not in header.aliases:
+            src_key = _source_key(plan, key, sources)
+            if src_key is None:
                 continue
-            info = header.resolve(key)
+            path, info = sources[src_key]
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+            fd = fds[path]
             row, first_row = _local_row(e)
             src = e.source
             if not e.is_contiguous:
@@ -726,7 +757,8 @@ def _read_own_bytes(plan: GatherPlan, header: Header, path: str, staging_bytes: 
                 if row.is_cuda:
                     torch.cuda.current_stream(row.device).synchronize()  # the kernel's stream
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _load_strided(fd: int, e: Entry, info: Any, row: torch.Tensor, first_row: int) -> None:
