@@ -191,26 +191,37 @@ def gather_to_shm(
     plan writes into them again (every rank's ``held`` has the same history, so all
     take the same branch).
     """
-    rank = plan.rank
     offsets, sizes = shm_layout(plan)
-    dtypes = list(sizes)
     remote = remote_pieces(plan, participating)
     if held is not None and held.key == plan.fingerprint:
-        return _fill(
-            plan,
-            participating,
-            remote,
-            held.fds,
-            held.regions,
-            offsets,
-            copy_local,
-            timeout,
-            agree_ok,
-            message_bytes,
-            held,
-        )
-    if held is not None:
-        held.close()
+        fds, regions, error = held.fds, held.regions, ""
+    else:
+        if held is not None:
+            held.close()
+        fds, regions, error = _open_regions(plan, sizes, remote)
+    return _fill(
+        plan,
+        participating,
+        remote,
+        fds,
+        regions,
+        offsets,
+        copy_local,
+        timeout,
+        agree_ok,
+        message_bytes,
+        held,
+        error,
+    )
+
+
+def _open_regions(
+    plan: GatherPlan, sizes: dict[torch.dtype, int], remote: dict[int, list[_pieces.Piece]]
+) -> tuple[dict[torch.dtype, int], dict[torch.dtype, torch.Tensor], str]:
+    """Rank 0 creates one region per dtype and names it to the others, who open it (the
+    hand-off collectives): (fds, rank 0's mapped regions, this rank's error or "")."""
+    rank = plan.rank
+    dtypes = list(sizes)
     hosts = host_ids()  # collectives first, on every rank
     memfd = memfd_shareable()
     tag = uuid.uuid4().hex
@@ -256,20 +267,7 @@ def gather_to_shm(
             for name in names[0]:
                 if os.path.exists(name):
                     os.unlink(name)
-    return _fill(
-        plan,
-        participating,
-        remote,
-        fds,
-        regions,
-        offsets,
-        copy_local,
-        timeout,
-        agree_ok,
-        message_bytes,
-        held,
-        error,
-    )
+    return fds, regions, error
 
 
 def _fill(

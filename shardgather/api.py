@@ -181,10 +181,12 @@ def gather_plan(
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
     outputs: dict[str, torch.Tensor] | None = None,
+    held: _node_local.HeldRegions | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """The engine: every primary entry of an agreed plan, gathered; None where this rank
-    receives nothing. Model and optimizer state share it. ``outputs``: the previous
-    call's tensors (same plan), written again instead of allocated (collective path)."""
+    receives nothing. Model and optimizer state share it. Reuse (a Gatherer's): ``held``
+    keeps the node-local regions open for the next call; ``outputs``, the previous
+    call's tensors (same plan), are written again on the collective path."""
     bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
     if not pin_memory and _node_local.choose(
         plan,
@@ -200,27 +202,18 @@ def gather_plan(
             timeout,
             all_ok,
             message_bytes=int(bucket_mb * 2**20),
+            held=held,
         )
+    if held is not None:
+        held.close()  # regions of an earlier node-local call: not written any more
+    receives = _receiving(plan, rank0_only)
     if outputs is None:
         outputs = {}
-        if _receiving(plan, rank0_only):
+        if receives:
             for key, e in plan.entries.items():
                 outputs[key] = torch.empty_strided(
                     tuple(e.shape), e.stride, dtype=e.target_dtype, pin_memory=pin_memory
                 )
-    return _gather_into(plan, rank0_only, bucket_mb, progress, timeout, outputs)
-
-
-def _gather_into(
-    plan: GatherPlan,
-    rank0_only: bool,
-    bucket_mb: float,
-    progress: bool,
-    timeout: datetime.timedelta,
-    outputs: dict[str, torch.Tensor],
-) -> dict[str, torch.Tensor] | None:
-    """The collective path into ``outputs`` (every primary entry, on receiving ranks)."""
-    receives = _receiving(plan, rank0_only)
     total = sum(e.nbytes for e in plan.entries.values())
     bar = _Progress(progress and receives, total, "shardgather: gather")
     try:

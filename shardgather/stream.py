@@ -111,44 +111,26 @@ class Gatherer:
         plan = self._plan()
         if self._key != plan.fingerprint:
             self._outputs, self._key = None, plan.fingerprint
-        bucket_mb = self.bucket_mb if self.bucket_mb is not None else default_bucket_mb(plan)
-        node_local = (self.rank0_only and not self.pin_memory) and _node_local.choose(
+        primaries = None
+        if self._outputs is not None:
+            primaries = {k: self._outputs[k] for k in plan.entries}
+        got = gather_plan(
             plan,
-            self.transport,
-            self.rank0_only,
-            need_contiguous=False,
-            shm_bytes=sum(_node_local.shm_layout(plan)[1].values()),
+            rank0_only=self.rank0_only,
+            bucket_mb=self.bucket_mb,
+            timeout=self.timeout,
+            transport=self.transport,
+            pin_memory=self.pin_memory,
+            outputs=primaries,
+            held=self._held,
         )
-        if node_local:
-            got = _node_local.gather_to_shm(
-                plan,
-                lambda i: 0 in plan.sources[i].group_ranks,
-                _copy_local,
-                self.timeout,
-                all_ok,
-                message_bytes=int(bucket_mb * 2**20),
-                held=self._held,
-            )
-            # The regions are the same, so the views are too: keep the first dict.
-            if got is not None and self._outputs is None:
-                self._outputs = {k: got[plan.aliases.get(k, k)] for k in plan.keys}
-        else:
-            self._held.close()
-            primaries = None
-            if self._outputs is not None:
-                primaries = {k: self._outputs[k] for k in plan.entries}
-            got = gather_plan(
-                plan,
-                rank0_only=self.rank0_only,
-                bucket_mb=bucket_mb,
-                timeout=self.timeout,
-                transport="collective",
-                pin_memory=self.pin_memory,
-                outputs=primaries,
-            )
-            if got is not None and self._outputs is None:
-                self._outputs = {k: got[plan.aliases.get(k, k)] for k in plan.keys}
-        return self._outputs if self._outputs is not None and got is not None else {}
+        if got is None:
+            return {}
+        # Held regions or reused tensors: the same memory every call, so keep the first
+        # dict (its views stay valid).
+        if self._outputs is None:
+            self._outputs = {k: got[plan.aliases.get(k, k)] for k in plan.keys}
+        return self._outputs
 
     # ---------------------------------------------------------------------- stream
 
