@@ -8,6 +8,7 @@ python -m shardgather consolidate DCP_DIR OUT.safetensors [--dtype bf16] [--pref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -17,9 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from ._fqn import FLAT_PARAM_COMPONENTS, clean_fqn, has_wrapper_components
-from .checkpoint import _cleanup
 from .errors import CheckpointError, ShardGatherError
 from .io.hf_layout import INDEX_SUFFIX, open_sources, safetensors_files
+from .io.publish import publish_file
 from .io.safetensors_format import (
     ALIASES_KEY,
     encode_header,
@@ -104,7 +105,14 @@ def _atomic_target(out: str) -> tuple[int, str]:
 def _finish(fd: int, tmp: str, out: str) -> None:
     os.fsync(fd)
     os.close(fd)
-    os.replace(tmp, out)
+    publish_file(tmp, out)
+
+
+def _cleanup(fd: int, tmp: str) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    if os.path.exists(tmp):
+        os.unlink(tmp)
 
 
 def _renamed(keys: Sequence[str]) -> dict[str, str]:

@@ -377,34 +377,19 @@ def _view(
 
 def parallel_file_write(
     plan: GatherPlan,
-    fd: int,
-    tmp_path: str,
-    offsets: dict[str, int],
+    fd_of: Callable[[Entry], int],
+    offset_of: Callable[[Entry], int],
     participating: Callable[[int], bool],
     message_bytes: int,
     timeout: datetime.timedelta,
     shared_filesystem: bool = False,
 ) -> str:
     """Every rank on rank 0's host (every rank, on a shared filesystem) pwrites its
-    pieces into the (already created) checkpoint temp file; ranks elsewhere send theirs
-    to rank 0 (``fd``: rank 0's). Returns "" or what failed here."""
+    pieces into the (already created) output files, ``fd_of(entry)`` being this rank's
+    descriptor of the entry's file; ranks elsewhere send theirs to rank 0, which writes
+    them. Returns "" or what failed here."""
     remote = {} if shared_filesystem else remote_pieces(plan, participating)
-    own = -1
-    if plan.rank != 0 and plan.rank not in remote:
-        own = os.open(tmp_path, os.O_WRONLY)
-    try:
-        return _write_everything(
-            plan,
-            participating,
-            remote,
-            lambda e: fd if plan.rank == 0 else own,
-            lambda e: offsets[e.key],
-            message_bytes,
-            timeout,
-        )
-    finally:
-        if own >= 0:
-            os.close(own)
+    return _write_everything(plan, participating, remote, fd_of, offset_of, message_bytes, timeout)
 
 
 def usable_for(plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool) -> str | None:

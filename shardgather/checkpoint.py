@@ -3,11 +3,8 @@ checkpoints streamed bucket by bucket; loading reads only each rank's own bytes.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -16,34 +13,30 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _layout as L
-from . import _node_local, _ops
-from ._collectives import agree, bucket_parts, gather_buckets, p2p_device, scatter_slice
+from . import _ops
+from ._collectives import agree, p2p_device, scatter_slice
 from ._plan import Entry, GatherPlan, Source, _memory_order_flat, build_plan, reshard_for_load
+from ._save import file_set, save_plan
 from .api import (
     DEFAULT_TIMEOUT,
-    _copy_local,
-    _my_buckets,
-    _Progress,
-    _use_gather,
     _verify_options,
     _verify_transport,
     all_ok,
-    default_bucket_mb,
 )
-from .errors import CheckpointError, CollectiveError, ShardGatherError, StateDictMismatchError
-from .io.hf_layout import KeyMap, is_safetensors_source, map_keys, open_sources, safetensors_files
+from .errors import CheckpointError, ShardGatherError, StateDictMismatchError
+from .io.hf_layout import (
+    KeyMap,
+    extra_files,
+    is_safetensors_source,
+    map_keys,
+    open_sources,
+    parse_size,
+    safetensors_files,
+)
 from .io.safetensors_format import (
-    ALIASES_KEY,
-    encode_header,
     pread_into,
-    pwrite_from,
     read_header,
 )
-
-
-def _file_order(plan: GatherPlan) -> list[Entry]:
-    by_source = plan.entries_by_source()
-    return [e for s in plan.sources for e in by_source.get(s.index, [])]
 
 
 def save_full_state_dict(
@@ -52,31 +45,52 @@ def save_full_state_dict(
     *,
     dtype: torch.dtype | None = None,
     metadata: dict[str, str] | None = None,
+    max_shard_size: int | str | None = None,
+    files: Mapping[str, Any] | None = None,
+    key_map: KeyMap | None = None,
     bucket_mb: float | None = None,
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
     shared_filesystem: bool = False,
 ) -> None:
-    """Write the full, unwrapped state dict to one safetensors file, streaming.
+    """Write the full, unwrapped state dict to one safetensors file, or to the sharded
+    directory Hugging Face's ``save_pretrained`` writes, streaming.
 
-    Call on every rank; rank 0 writes. No rank ever holds the whole model: peak extra
-    host memory is about two buckets. Tied tensors are stored once and their aliases
-    recorded in the header metadata (``shardgather.aliases``), which
-    :func:`load_file` and :func:`load_full_state_dict` restore. The file is written
-    under a temporary name in the same directory, fsync'ed and renamed: a failure on
-    any rank leaves no file (and no temporary) behind, and every rank raises.
+    Call on every rank. No rank ever holds the whole model: peak extra host memory is
+    about two buckets. Tied tensors are stored once (as transformers stores them) and
+    their aliases recorded in the header metadata (``shardgather.aliases``) of the file
+    holding the tensor, which :func:`load_file` and :func:`load_full_state_dict`
+    restore. Everything is written under a temporary name beside ``path``, fsync'ed by
+    every rank that wrote, and renamed in one step: a failure on any rank leaves
+    ``path`` as it was (and no temporary behind), and every rank raises.
 
     Args:
         model: as for :func:`shardgather.full_state_dict`.
-        path: the ``.safetensors`` file to create (replaced if it exists).
+        path: the ``.safetensors`` file to create (replaced if it exists) or, with
+            ``max_shard_size``, the directory.
         dtype: cast floating-point tensors (e.g. ``torch.bfloat16`` to ship a model).
-        metadata: extra ``str -> str`` header metadata.
+        metadata: extra ``str -> str`` header metadata (in every file).
+        max_shard_size: write ``path`` as a Hugging Face directory: files of at most this
+            many bytes (``int``, or ``"5GB"`` = 5 * 10**9 as transformers reads it, or
+            ``"4GiB"``), split at tensor boundaries in the model's order (a larger
+            tensor gets a file of its own), named ``model-00001-of-0000N.safetensors``,
+            with ``model.safetensors.index.json`` (``total_size``, ``weight_map``); one
+            file is ``model.safetensors`` with no index, as transformers does. An
+            existing directory keeps its other files (``config.json``, tokenizer...);
+            its ``*.safetensors`` and indexes are replaced.
+        files: with ``max_shard_size``, extra files for the directory, by name:
+            ``bytes``/``str`` content, a dict (written as JSON, e.g. ``config.to_dict()``)
+            or an ``os.PathLike`` to copy. Rank 0's values are written.
+        key_map: the names to store under, from the model's: ``{model_prefix:
+            file_prefix}`` (longest prefix wins; e.g. ``{"": "model."}``) or a callable
+            from a model key to a file key. The same direction as ``load_full_state_dict``'s
+            (from where the tensors come to where they go).
         bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
         transport: ``"auto"``: every rank on rank 0's host (the same filesystem)
-            pwrites its own pieces into the file in parallel, and ranks on other hosts
-            send theirs to rank 0 point to point; ``"collective"``: rank 0 writes what
-            bucketed collectives bring it. ``"shm"`` asks for the former (warns once
+            pwrites its own pieces into the file(s) in parallel, and ranks on other
+            hosts send theirs to rank 0 point to point; ``"collective"``: rank 0 writes
+            what bucketed collectives bring it. ``"shm"`` asks for the former (warns once
             and falls back).
         shared_filesystem: ``path`` is on a filesystem every host mounts (NFS,
             Lustre, GPFS...): ranks on other hosts then pwrite their own pieces into
@@ -87,6 +101,9 @@ def save_full_state_dict(
 
     Example:
         >>> shardgather.save_full_state_dict(model, "model.safetensors", dtype=torch.bfloat16)
+        >>> shardgather.save_full_state_dict(            # a from_pretrained-able directory
+        ...     model, "out/llama", max_shard_size="5GB", key_map={"": "model."},
+        ...     files={"config.json": hf_config.to_dict()})
     """
     _verify_options(model, bucket_mb, dtype)
     _verify_transport(transport, False)
@@ -94,12 +111,26 @@ def save_full_state_dict(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ShardGatherError("metadata must be a dict of str -> str (safetensors' rule)")
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    if files and shard_bytes is None:
+        raise ShardGatherError(
+            "files= are written into a directory: pass max_shard_size= (e.g. '5GB') too"
+        )
+    extra = extra_files(files)
     plan = build_plan(model, dtype=dtype)
+    stored = _stored_names(plan, key_map)
     agree(plan, timeout)
-    save_plan(
+    fs = file_set(
         plan,
         path,
         metadata=metadata,
+        stored_names=stored,
+        max_shard_size=shard_bytes,
+        files=extra,
+    )
+    save_plan(
+        plan,
+        fs,
         bucket_mb=bucket_mb,
         progress=progress,
         timeout=timeout,
@@ -108,250 +139,18 @@ def save_full_state_dict(
     )
 
 
-def save_plan(
-    plan: GatherPlan,
-    path: str | os.PathLike,
-    *,
-    metadata: dict[str, str] | None = None,
-    bucket_mb: float | None = None,
-    progress: bool = False,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-    transport: str = "auto",
-    shared_filesystem: bool = False,
-) -> None:
-    """Stream an agreed plan's entries to one safetensors file, atomically (the engine
-    behind save_full_state_dict; optimizer state uses it too)."""
-    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
-    parallel = _node_local.choose(plan, transport, True, need_contiguous=True, shm_bytes=None)
-    final = os.path.abspath(os.fspath(path))
-    writer = plan.rank == 0
-    tmp_path: str | None = None
-    fd = -1
-    error = ""
-    # The header follows from the plan alone: every rank knows every file offset.
-    layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-    pos = 0
-    for e in _file_order(plan):
-        layout[e.key] = (e.target_dtype, tuple(e.shape), pos, pos + e.nbytes)
-        pos += e.nbytes
-    meta = dict(metadata or {})
-    meta["format"] = "pt"
-    if plan.aliases:
-        meta[ALIASES_KEY] = json.dumps(plan.aliases)
-    header = encode_header(layout, meta)
-    offsets = {k: len(header) + v[2] for k, v in layout.items()}
-    if writer:
-        try:
-            directory = os.path.dirname(final) or "."
-            fd, tmp_path = tempfile.mkstemp(
-                prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory
-            )
-            os.ftruncate(fd, len(header) + pos)
-            os.pwrite(fd, header, 0)
-        except OSError as exc:
-            error = f"rank 0 cannot create the file in {os.path.dirname(final)!r}: {exc}"
-    # Every rank learns the temp file's name, or that there is none, before any data
-    # moves: a writer that cannot write must not leave the others in a collective.
-    created = [tmp_path, error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(created, src=0)
-    if created[1]:
-        _cleanup(fd, tmp_path)
-        raise CheckpointError(
-            f"save_full_state_dict({final!r}): {created[1]}. Check that the directory "
-            "exists and is writable on rank 0; nothing was written."
+def _stored_names(plan: GatherPlan, key_map: KeyMap | None) -> dict[str, str] | None:
+    """model key -> key in the file; every key must keep a name."""
+    if key_map is None:
+        return None
+    to_model = map_keys(plan.keys, key_map, into="file's")  # file key -> model key
+    if len(to_model) != len(plan.keys):
+        dropped = sorted(set(plan.keys) - set(to_model.values()))
+        raise ShardGatherError(
+            f"key_map drops the model's {dropped[:5]}: a saved checkpoint stores every key "
+            "(to leave tensors out, save a plain state dict with safetensors)"
         )
-    try:
-        if parallel:
-            _write_parallel(
-                plan,
-                fd,
-                created[0],
-                offsets,
-                writer,
-                int(bucket_mb * 2**20),
-                timeout,
-                shared_filesystem,
-            )
-        else:
-            _stream(plan, fd, offsets, writer, bucket_mb, progress, timeout)
-        if writer:
-            os.fsync(fd)
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            _cleanup(fd, tmp_path)
-            raise
-    failures = all_ok(not error, error)
-    if failures:
-        _cleanup(fd, tmp_path)
-        raise CollectiveError(
-            f"save_full_state_dict({final!r}) failed, nothing was written: " + "; ".join(failures)
-        )
-    if writer:
-        os.close(fd)
-        assert tmp_path is not None
-        os.replace(tmp_path, final)
-        dir_fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()  # the file exists for everyone once save returns
-
-
-def _write_parallel(
-    plan: GatherPlan,
-    fd: int,
-    tmp_path: str | None,
-    offsets: dict[str, int],
-    writer: bool,
-    message_bytes: int,
-    timeout: datetime.timedelta,
-    shared_filesystem: bool,
-) -> None:
-    """Every rank on the writer's host (every rank, on a shared filesystem) pwrites its
-    own pieces into the temp file; ranks elsewhere send theirs to the writer. Raises
-    what failed here."""
-    error = ""
-    if writer:
-        try:
-            for e in plan.entries.values():
-                if e.source.group is None:
-                    out = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
-                    _copy_local(e.source.local(), e, out)
-                    pwrite_from(fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key])
-        except Exception as exc:  # still take part in the exchange below
-            error = f"{type(exc).__name__}: {exc}"
-    assert tmp_path is not None
-    got = _node_local.parallel_file_write(
-        plan,
-        fd,
-        tmp_path,
-        offsets,
-        lambda i: 0 in plan.sources[i].group_ranks,
-        message_bytes,
-        timeout,
-        shared_filesystem,
-    )
-    if error or got:
-        raise OSError(error or got)
-
-
-def _cleanup(fd: int, tmp_path: str | None) -> None:
-    if fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    if tmp_path is not None and os.path.exists(tmp_path):
-        os.unlink(tmp_path)
-
-
-def _stream(
-    plan: GatherPlan,
-    fd: int,
-    offsets: dict[str, int],
-    writer: bool,
-    bucket_mb: float,
-    progress: bool,
-    timeout: datetime.timedelta,
-) -> None:
-    """Gather bucket by bucket; the writer copies each into a reused slab and pwrites it.
-
-    A local failure (e.g. the disk fills up) does not stop this rank's collectives: it
-    keeps gathering, without writing, so that every rank reaches the final agreement
-    together and raises the same error instead of waiting for a timeout.
-    """
-    total = sum(e.nbytes for e in plan.entries.values())
-    bar = _Progress(progress and writer, total, "shardgather: save")
-    failure: BaseException | None = None
-    sink = _FileSink(fd, offsets)
-    try:
-        if writer:
-            try:
-                for e in plan.entries.values():
-                    if e.source.group is None:
-                        out = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
-                        _copy_local(e.source.local(), e, out)
-                        pwrite_from(
-                            fd, out.contiguous().reshape(-1).view(torch.uint8), offsets[e.key]
-                        )
-                        bar.update(e.nbytes)
-            except Exception as exc:
-                failure = exc
-        buckets = _my_buckets(plan, bucket_mb, True)
-        by_source = plan.entries_by_source()
-        for bucket, rows in gather_buckets(
-            buckets, lambda b: writer, timeout=timeout, use_gather=_use_gather(buckets, True)
-        ):
-            if rows is None or failure is not None:
-                continue
-            try:
-                parts = bucket_parts(bucket, by_source)
-                sink.write(rows.cpu() if rows.is_cuda else rows, parts)
-                bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
-            except Exception as exc:
-                failure = exc
-    finally:
-        bar.close()
-    if failure is not None:
-        raise failure
-
-
-class _FileSink:
-    """Copies gathered rows into a reused slab in file order and pwrites the ranges."""
-
-    def __init__(self, fd: int, offsets: dict[str, int]) -> None:
-        self.fd = fd
-        self.offsets = offsets
-        self.slab = torch.empty(0, dtype=torch.uint8)
-        # Non-contiguous (e.g. channels_last) entries are assembled whole, then written
-        # row-major: safetensors stores C-order bytes.
-        self.pending: dict[str, tuple[torch.Tensor, list[int]]] = {}
-
-    def write(self, rows: torch.Tensor, parts: list) -> None:
-        segs: list[L.Segment] = []
-        writes: list[tuple[int, int, int]] = []  # (slab offset, file offset, bytes)
-        off = 0
-        for p in parts:
-            e = p.entry
-            size = e.target_dtype.itemsize
-            if not e.is_contiguous:
-                self._write_strided(rows, p)
-                continue
-            off = (off + size - 1) // size * size
-            segs.append(p.segment.with_dst(0, off))
-            writes.append((off, self.offsets[e.key] + p.start * size, p.numel * size))
-            off += p.numel * size
-        if self.slab.numel() < off:
-            self.slab = torch.empty(off, dtype=torch.uint8)
-        if segs:
-            _ops.copy_out(rows, 0, L.segment_table(segs), [self.slab])
-        for s_off, f_off, n in _coalesce(writes):
-            pwrite_from(self.fd, self.slab[s_off : s_off + n], f_off)
-
-    def _write_strided(self, rows: torch.Tensor, p: Any) -> None:
-        e = p.entry
-        if e.key not in self.pending:
-            t = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
-            self.pending[e.key] = (t, [e.numel])
-        t, left = self.pending[e.key]
-        seg = p.segment.with_dst(0, p.start * e.target_dtype.itemsize)
-        _ops.copy_out(rows, 0, L.segment_table([seg]), [_memory_order_flat(t)])
-        left[0] -= p.numel
-        if left[0] == 0:
-            pwrite_from(self.fd, t.contiguous().reshape(-1).view(torch.uint8), self.offsets[e.key])
-            del self.pending[e.key]
-
-
-def _coalesce(writes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    out: list[tuple[int, int, int]] = []
-    for s, f, n in sorted(writes, key=lambda w: w[1]):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == f:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
-        else:
-            out.append((s, f, n))
-    return out
+    return {m: f for f, m in to_model.items()}
 
 
 # ---------------------------------------------------------------------------------- load

@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._save import file_set, save_plan
 from .api import DEFAULT_TIMEOUT, all_ok
-from .checkpoint import load_full_state_dict, save_full_state_dict, save_plan
+from .checkpoint import load_full_state_dict, save_full_state_dict
 from .errors import CheckpointError, CollectiveError, ShardGatherError
 from .io import json_values
+from .io.publish import publish_dir
 from .io.safetensors_format import read_header
 from .optim import FileState, check_saved_state, load_full_optim_state_dict, state_plan
 
@@ -123,9 +125,10 @@ def save_checkpoint(
             st = state_plan(model, optimizer, timeout)
             save_plan(
                 st.plan,
-                os.path.join(tmp, OPTIM_FILE),
+                file_set(st.plan, os.path.join(tmp, OPTIM_FILE)),
                 timeout=timeout,
                 shared_filesystem=shared_filesystem,
+                what="save_checkpoint",
             )
             if _rank() == 0:
                 scalars = {
@@ -144,7 +147,7 @@ def save_checkpoint(
             buf = io.BytesIO()
             torch.save(extra or {}, buf)
             _write_durably(os.path.join(tmp, EXTRA_FILE), buf.getvalue())
-            _publish(tmp, final)
+            publish_dir(tmp, final)
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
         if _rank() == 0 and os.path.isdir(tmp):
@@ -156,22 +159,6 @@ def save_checkpoint(
         if _rank() == 0 and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise CollectiveError(f"save_checkpoint({final!r}) failed: " + "; ".join(failures))
-
-
-def _publish(tmp: str, final: str) -> None:
-    """Rename the finished directory into place (replacing an older one)."""
-    old = None
-    if os.path.exists(final):
-        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fd = os.open(os.path.dirname(final), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass

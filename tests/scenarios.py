@@ -498,27 +498,34 @@ def save_fails_on_one_rank(rank: int, world: int, path: str, transport: str) -> 
     import errno
     import os
 
-    from shardgather import checkpoint
+    from shardgather import _pieces, _save
+    from shardgather._plan import build_plan
 
     model, _ = _build("fsdp1", world, seed=0)
     if rank == 0:
-        real = checkpoint.pwrite_from
+        # Fail on the second write of gathered data (a bucket on the collective path, a
+        # piece on the node-local one), after the unsharded entries went through.
+        unsharded = sum(1 for e in build_plan(model).entries.values() if e.source.group is None)
         calls = [0]
 
-        def full_disk(*a, **k):  # type: ignore[no-untyped-def]
-            calls[0] += 1
-            if calls[0] > 2:
-                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
-            return real(*a, **k)
+        def full_disk(real):  # type: ignore[no-untyped-def]
+            def write(*a, **k):  # type: ignore[no-untyped-def]
+                calls[0] += 1
+                if calls[0] > unsharded + 1:
+                    raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+                return real(*a, **k)
 
-        checkpoint.pwrite_from = full_disk
+            return write
+
+        _save.pwrite_from = full_disk(_save.pwrite_from)
+        _pieces.pwrite_from = full_disk(_pieces.pwrite_from)
     try:
         sg.save_full_state_dict(model, path, bucket_mb=0.001, transport=transport)
         raised = None
     except sg.ShardGatherError as exc:
         raised = (type(exc).__name__, str(exc))
     leftovers = sorted(os.listdir(os.path.dirname(path)))
-    return {"raised": raised, "leftovers": leftovers}
+    return {"raised": raised, "leftovers": leftovers, "writes": calls[0] if rank == 0 else None}
 
 
 def save_into_missing_dir(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]

@@ -93,8 +93,10 @@ def open_sources(
 ) -> dict[str, tuple[str, TensorInfo]]:
     """Every stored key (and tied alias) -> (file, its tensor), across the files."""
     out: dict[str, tuple[str, TensorInfo]] = {}
+    aliases: set[str] = set()
     for f in files:
         header = read_header(f)
+        aliases.update(a for a in header.aliases if a not in header.tensors)
         for key in header.all_keys():
             if key in out:
                 raise CheckpointError(
@@ -113,7 +115,9 @@ def open_sources(
                     f"the index maps {key!r} to {os.path.basename(f)!r}, but it is stored in "
                     f"{os.path.basename(out[key][0])!r}"
                 )
-        unlisted = sorted(set(out) - set(weight_map))
+        # Tied aliases (our header metadata) live with their tensor; the index, like
+        # transformers', lists stored tensors only.
+        unlisted = sorted(set(out) - set(weight_map) - aliases)
         if unlisted:
             raise CheckpointError(
                 f"stored keys the index does not list: {unlisted[:5]}"
@@ -122,10 +126,12 @@ def open_sources(
     return out
 
 
-def map_keys(keys: Iterable[str], key_map: KeyMap | None) -> dict[str, str]:
-    """model key -> source key. ``key_map`` is ``{source_prefix: model_prefix}`` (the
-    longest matching prefix is replaced; other keys stay), or a callable from a source
-    key to the model's (None drops the key)."""
+def map_keys(keys: Iterable[str], key_map: KeyMap | None, into: str = "model's") -> dict[str, str]:
+    """destination key -> source key. ``key_map`` is ``{source_prefix: dest_prefix}``
+    (the longest matching prefix is replaced; other keys stay), or a callable from a
+    source key to the destination's (None drops the key). Loading, the source is the
+    file and the destination the model; saving, the other way round (``into`` names
+    the destination in errors)."""
     out: dict[str, str] = {}
     prefixes = None
     if key_map is not None and not callable(key_map):
@@ -150,7 +156,119 @@ def map_keys(keys: Iterable[str], key_map: KeyMap | None) -> dict[str, str]:
             continue
         if new in out:
             raise CheckpointError(
-                f"key_map sends both {out[new]!r} and {key!r} to the model's {new!r}"
+                f"key_map sends both {out[new]!r} and {key!r} to the {into} {new!r}"
             )
         out[new] = key
+    return out
+
+
+# ---------------------------------------------------------------------------- writing
+
+# huggingface_hub's units (parse_size_to_int): decimal, as in transformers' "5GB".
+_SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model" + INDEX_SUFFIX
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5_000_000_000``, ``"5GB"`` (10**9, as transformers reads it) or
+    ``"4.5GiB"`` (2**30)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise CheckpointError(f"max_shard_size must be bytes (int) or like '5GB', got {size!r}")
+    if isinstance(size, str):
+        text = size.strip().upper()
+        unit = next(
+            (u for u in sorted(_SIZE_UNITS, key=len, reverse=True) if text.endswith(u)), None
+        )
+        try:
+            if unit is None:
+                raise ValueError
+            size = int(float(text[: -len(unit)]) * _SIZE_UNITS[unit])
+        except ValueError:
+            raise CheckpointError(
+                f"max_shard_size {size!r}: expected a number and a unit (KB, MB, GB, TB; KiB, "
+                "MiB, GiB, TiB), e.g. '5GB'"
+            ) from None
+    if size <= 0:
+        raise CheckpointError(f"max_shard_size must be > 0 bytes, got {size}")
+    return size
+
+
+def split_shards(sizes: list[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Keys in file order, split at tensor boundaries: a file is closed when the next
+    tensor would take it past ``max_shard_size``; a bigger tensor gets a file of its own.
+    (huggingface_hub moves such a tensor to the end of the list; keeping it in place keeps
+    the files in the plan's order, which is what lets each rank write one contiguous run.)"""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for key, n in sizes:
+        if current and used + n > max_shard_size:
+            shards.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += n
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """transformers' names: ``model.safetensors`` alone, else ``model-00001-of-0000N``."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def index_document(weight_map: dict[str, str], total_size: int, total_parameters: int) -> bytes:
+    """``model.safetensors.index.json`` as ``save_pretrained`` formats it."""
+    doc = {
+        "metadata": {"total_parameters": total_parameters, "total_size": total_size},
+        "weight_map": weight_map,
+    }
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def is_weights_file(name: str) -> bool:
+    """A file of an existing directory that a new export replaces: any safetensors file
+    or index (left behind, a loader would glob it up with the new ones)."""
+    return name.endswith((".safetensors", INDEX_SUFFIX))
+
+
+def extra_files(files: Mapping[str, object] | None) -> dict[str, bytes]:
+    """The bytes of each pass-through file (``config.json``, tokenizer files...):
+    ``bytes`` or ``str`` are the content, a dict or list is written as JSON, an
+    ``os.PathLike`` is a file to copy. Names are plain file names of the directory."""
+    out: dict[str, bytes] = {}
+    for name, value in (files or {}).items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or os.path.basename(name) != name
+            or "\\" in name
+            or name.startswith(".")
+        ):
+            raise CheckpointError(f"files: {name!r} is not a plain file name for the directory")
+        if is_weights_file(name):
+            raise CheckpointError(
+                f"files: {name!r} would be taken for a weights file; the export writes those"
+            )
+        if isinstance(value, bytes):
+            out[name] = value
+        elif isinstance(value, str):
+            out[name] = value.encode()
+        elif isinstance(value, (dict, list)):
+            out[name] = (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+        elif isinstance(value, os.PathLike):
+            try:
+                with open(value, "rb") as f:
+                    out[name] = f.read()
+            except OSError as exc:
+                raise CheckpointError(f"files: cannot read {os.fspath(value)!r} ({exc})") from None
+        else:
+            raise CheckpointError(
+                f"files[{name!r}]: expected bytes, str, a JSON dict/list or a path (os.PathLike), "
+                f"got {type(value).__name__}"
+            )
     return out
