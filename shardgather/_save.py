@@ -60,8 +60,10 @@ class FileSet:
 
 
 def _file_order(plan: GatherPlan) -> list[Entry]:
-    by_source = plan.entries_by_source()
-    return [e for s in plan.sources for e in by_source.get(s.index, [])]
+    # The plain model's state_dict order, whatever the wrapping: FSDP1, FSDP2 and an
+    # unwrapped model write the same bytes (hashable, comparable exports), and the order
+    # is the one transformers writes. Each rank still writes its pieces where they fall.
+    return [plan.entries[k] for k in plan.keys if k in plan.entries]
 
 
 def file_set(
@@ -73,7 +75,7 @@ def file_set(
     max_shard_size: int | None = None,
     files: dict[str, bytes] | None = None,
 ) -> FileSet:
-    """Lay the plan out in files, in plan order (each rank's pieces stay contiguous runs).
+    """Lay the plan out in files, in the model's key order.
 
     ``stored_names``: model key -> name in the file (key_map applied; identity if None).
     ``max_shard_size``: bytes per file of an HF directory at ``path`` (None: one file).

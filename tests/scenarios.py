@@ -520,7 +520,10 @@ def save_fails_on_one_rank(rank: int, world: int, path: str, transport: str) -> 
         _save.pwrite_from = full_disk(_save.pwrite_from)
         _pieces.pwrite_from = full_disk(_pieces.pwrite_from)
     try:
-        sg.save_full_state_dict(model, path, bucket_mb=0.001, transport=transport)
+        if transport == "auto-directory":
+            sg.save_full_state_dict(model, path, bucket_mb=0.001, max_shard_size=2000)
+        else:
+            sg.save_full_state_dict(model, path, bucket_mb=0.001, transport=transport)
         raised = None
     except sg.ShardGatherError as exc:
         raised = (type(exc).__name__, str(exc))
@@ -578,6 +581,17 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
         sg.load_full_state_dict(model, path, bucket_mb=bucket_mb)
     out["load_rise"] = m["peak_rise"]
     out["file_bytes"] = __import__("os").path.getsize(path)
+    # The Hugging Face layout: the same bound, whatever the number of files.
+    hf = path + ".hf"
+    trim()
+    with peak_rss_rise() as m:
+        sg.save_full_state_dict(model, hf, bucket_mb=bucket_mb, max_shard_size=50 * 2**20)
+    out["hf_save_rise"] = m["peak_rise"]
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_state_dict(model, hf, bucket_mb=bucket_mb)
+    out["hf_load_rise"] = m["peak_rise"]
+    out["hf_files"] = len(__import__("os").listdir(hf))
     # save_checkpoint with optimizer state (2x the model) stays within the same bound.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():

@@ -66,9 +66,11 @@ def test_load_errors_are_clear_and_lose_nothing(tmp_path) -> None:  # type: igno
     assert r["truncated"][0] == "CheckpointError" and "truncated" in r["truncated"][1]
 
 
-@pytest.mark.parametrize("transport", ["auto", "collective"])
+@pytest.mark.parametrize("transport", ["auto", "collective", "auto-directory"])
 def test_failed_save_on_one_rank_leaves_nothing(tmp_path, transport) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "model.safetensors")
+    if transport == "auto-directory":  # the Hugging Face layout, several files
+        path = str(tmp_path / "hf")
     results = dist_harness.run(
         "tests.scenarios:save_fails_on_one_rank", 2, path=path, transport=transport
     )
