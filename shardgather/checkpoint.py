@@ -33,10 +33,12 @@ from .io.hf_layout import (
     parse_size,
     safetensors_files,
 )
+from .io.dcp_format import dcp_sources, is_dcp_directory
 from .io.safetensors_format import (
     pread_into,
     read_header,
 )
+from .io.stored import StoredTensor, one_extent
 
 
 def save_full_state_dict(
@@ -310,15 +312,31 @@ def load_full_state_dict(
             plan, _renamed(dict(source), key_map), strict, "the state dict", timeout
         )
     path = os.fspath(source)
-    if not (is_safetensors_source(path) or _looks_like_safetensors(path)):
+    dcp = is_dcp_directory(path)
+    if not (dcp or is_safetensors_source(path) or _looks_like_safetensors(path)):
         return _load_from_dict(plan, _renamed(_torch_file(path), key_map), strict, path, timeout)
-    # Every header (and the index) validated, and the keys matched, before any data moves.
-    stored = open_sources(*safetensors_files(path))
+    # Every header, index or DCP metadata validated, and the keys matched, before any
+    # data moves.
+    stored = dcp_sources(path) if dcp else stored_tensors(path)
     names = map_keys(stored, key_map)
     sources = {model_key: stored[src_key] for model_key, src_key in names.items()}
-    shapes = {k: (tuple(info.shape), info.dtype) for k, (_, info) in sources.items()}
+    shapes = {k: (t.shape, t.dtype) for k, t in sources.items()}
     renamed = {k: v for k, v in names.items() if k != v}
     result = _validate(plan, shapes, strict, path, renamed)
+    if dcp:
+        # A DCP chunk's bytes are located from its own small zip directory: every rank
+        # reads those of its chunks first and the ranks agree, so that a damaged chunk
+        # is refused before any shard changes.
+        error = ""
+        try:
+            _locate_own(plan, sources)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        failures = all_ok(not error, error)
+        if failures:
+            raise CheckpointError(
+                f"load_full_state_dict({path!r}): nothing was loaded: " + "; ".join(failures)
+            )
     error = ""
     try:
         _read_own_bytes(plan, sources, int(bucket_mb * 2**20))
@@ -328,6 +346,15 @@ def load_full_state_dict(
     if failures:
         raise CheckpointError(f"load_full_state_dict({path!r}) failed: " + "; ".join(failures))
     return result
+
+
+def stored_tensors(path: str) -> dict[str, StoredTensor]:
+    """Every key (and tied alias) of a safetensors file, directory or index -> where
+    its bytes are."""
+    return {
+        key: one_extent(key, f, info.dtype, tuple(info.shape), info.begin)
+        for key, (f, info) in open_sources(*safetensors_files(path)).items()
+    }
 
 
 def _looks_like_safetensors(path: str) -> bool:
@@ -510,29 +537,55 @@ def _elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
+def _locate_own(plan: GatherPlan, sources: Mapping[str, StoredTensor]) -> None:
+    """Where this rank's elements of every entry are (reads DCP chunks' directories)."""
+    for key, e in plan.entries.items():
+        src_key = _source_key(plan, key, sources)
+        if src_key is not None:
+            stored = sources[src_key]
+            if not e.is_contiguous:
+                lo, hi = 0, stored.numel
+            else:
+                lo, hi = _elems_in_row(e.base, e.source.row_numel, e.numel, _local_row(e)[1])
+            for _ in stored.runs(lo, hi):
+                pass
+
+
 def _read_own_bytes(
-    plan: GatherPlan, sources: Mapping[str, tuple[str, Any]], staging_bytes: int
+    plan: GatherPlan, sources: Mapping[str, StoredTensor], staging_bytes: int
 ) -> None:
-    """pread exactly this rank's elements of every entry (from whichever file holds it:
-    ``sources`` maps a model key to (file, its tensor)) and copy them into its shards."""
+    """pread exactly this rank's elements of every entry (from whichever files hold
+    them: a model key's tensor may span several, one per DCP chunk) and copy them into
+    its shards, through one staging buffer of at most ``staging_bytes``."""
     staging = torch.empty(0, dtype=torch.uint8)
     fds: dict[str, int] = {}
+
+    def fd_of(path: str) -> int:
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        return fds[path]
+
     try:
         for key, e in plan.entries.items():
             src_key = _source_key(plan, key, sources)
             if src_key is None:
                 continue
-            path, info = sources[src_key]
-            if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
-            fd = fds[path]
+            stored = sources[src_key]
             row, first_row = _local_row(e)
             src = e.source
             if not e.is_contiguous:
-                _load_strided(fd, e, info, row, first_row)
+                _load_strided(fd_of, e, stored, row, first_row)
                 continue
             lo, hi = _elems_in_row(e.base, src.row_numel, e.numel, first_row)
-            fsize = info.dtype.itemsize
+            fsize = stored.dtype.itemsize
+            if stored.dtype == src.dtype and not row.is_cuda:
+                # Same dtype, host shard: the file's bytes are the shard's bytes, so
+                # pread them straight into place (no staging, no second copy).
+                start = (e.base + lo - first_row * src.row_numel) * fsize
+                for path, offset, first, count in stored.runs(lo, hi):
+                    at = start + (first - lo) * fsize
+                    pread_into(fd_of(path), row[0, at : at + count * fsize], offset)
+                continue
             step = max(1, staging_bytes // fsize)
             for a in range(lo, hi, step):
                 b = min(hi, a + step)
@@ -541,7 +594,9 @@ def _read_own_bytes(
                     # CUDA shards read pinned staging through its mapped address.
                     staging = torch.empty(n, dtype=torch.uint8, pin_memory=row.is_cuda)
                 buf = staging[:n]
-                pread_into(fd, buf, info.begin + a * fsize)
+                for path, offset, first, count in stored.runs(a, b):
+                    at = (first - a) * fsize
+                    pread_into(fd_of(path), buf[at : at + count * fsize], offset)
                 seg = L.Segment(
                     e.base + a,
                     src.row_numel,
@@ -550,7 +605,7 @@ def _read_own_bytes(
                     0,
                     0,
                     L.kind_of(src.dtype),
-                    L.kind_of(info.dtype),
+                    L.kind_of(stored.dtype),
                 )
                 _ops.copy_in([buf], L.segment_table([seg]), row, first_row)
                 if row.is_cuda:
@@ -560,13 +615,17 @@ def _read_own_bytes(
             os.close(fd)
 
 
-def _load_strided(fd: int, e: Entry, info: Any, row: torch.Tensor, first_row: int) -> None:
+def _load_strided(
+    fd_of: Any, e: Entry, stored: StoredTensor, row: torch.Tensor, first_row: int
+) -> None:
     """A non-contiguous (e.g. channels_last) entry: the file is row-major, the shard
     holds memory order, so read it whole and re-lay it out first."""
-    raw = torch.empty(info.numel * info.dtype.itemsize, dtype=torch.uint8)
-    pread_into(fd, raw, info.begin)
-    full = raw.view(info.dtype).view(tuple(info.shape))
-    laid = torch.empty_strided(tuple(e.shape), e.stride, dtype=info.dtype)
+    size = stored.dtype.itemsize
+    raw = torch.empty(stored.numel * size, dtype=torch.uint8)
+    for path, offset, first, count in stored.runs(0, stored.numel):
+        pread_into(fd_of(path), raw[first * size : (first + count) * size], offset)
+    full = raw.view(stored.dtype).view(stored.shape)
+    laid = torch.empty_strided(tuple(e.shape), e.stride, dtype=stored.dtype)
     laid.copy_(full)
     flat = _memory_order_flat(laid).view(torch.uint8)
     if row.is_cuda:
@@ -579,7 +638,7 @@ def _load_strided(fd: int, e: Entry, info: Any, row: torch.Tensor, first_row: in
         0,
         0,
         L.kind_of(e.source.dtype),
-        L.kind_of(info.dtype),
+        L.kind_of(stored.dtype),
     )
     _ops.copy_in([flat], L.segment_table([seg]), row, first_row)
     if row.is_cuda:

@@ -156,11 +156,13 @@ def test_a_damaged_index_is_refused_before_anything_changes(
     assert not diff_state_dicts(_plain(dst), before)
 
 
-def test_a_dcp_directory_gets_a_clear_error(tmp_path) -> None:
+def test_a_directory_with_dcp_metadata_is_read_as_dcp(tmp_path) -> None:
+    # (tests/test_dcp.py loads real ones; an empty .metadata is not taken for HF files.)
     d = tmp_path / "dcp"
     d.mkdir()
     (d / ".metadata").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="consolidate"):
+    (d / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="not readable DCP metadata"):
         sg.load_full_state_dict(_llama(0), str(d))
 
 
