@@ -54,14 +54,15 @@ def _io() -> dict[str, int]:
 def worker(rank: int, world: int, args: argparse.Namespace, directory: str) -> dict:
     """One rank: both methods, alternated, each verified."""
     import torch.distributed.checkpoint as dcp
+    from bench_hf_save import _sharded
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
     )
+
     import shardgather as sg
-    from bench_hf_save import _sharded
 
     model = build_gpt(args.size_gb)
     with torch.no_grad():

@@ -75,6 +75,8 @@ def _check(directory: str, want: dict[str, torch.Tensor]) -> bool:
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
+    import faulthandler
+
     import torch.distributed.checkpoint as dcp
     from huggingface_hub import save_torch_state_dict
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
@@ -83,8 +85,6 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
     import shardgather as sg
     from shardgather._plan import build_plan
     from shardgather._save import file_set
-
-    import faulthandler
 
     faulthandler.dump_traceback_later(1200, exit=True)  # a hang ends the bench
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ from .api import (
     all_ok,
 )
 from .errors import CheckpointError, ShardGatherError, StateDictMismatchError
+from .io.dcp_format import dcp_sources, is_dcp_directory
 from .io.hf_layout import (
     KeyMap,
     extra_files,
@@ -33,7 +34,6 @@ from .io.hf_layout import (
     parse_size,
     safetensors_files,
 )
-from .io.dcp_format import dcp_sources, is_dcp_directory
 from .io.safetensors_format import (
     pread_into,
     read_header,

@@ -57,7 +57,7 @@ def test_nested_app_state_with_key_map(tmp_path) -> None:
     opt.step()
     _save_plain({"model": src.state_dict(), "optim": opt.state_dict(), "step": 7}, d)
     dst = _llama(1)
-    with pytest.raises(sg.StateDictMismatchError, match="model.model.embed_tokens.weight"):
+    with pytest.raises(sg.StateDictMismatchError, match=r"model\.model\.embed_tokens\.weight"):
         sg.load_full_state_dict(dst, d)  # nothing matches without the map
     sg.load_full_state_dict(
         dst, d, key_map=lambda k: k[len("model.") :] if k.startswith("model.") else None
