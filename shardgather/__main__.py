@@ -3,6 +3,7 @@
 python -m shardgather inspect FILE
 python -m shardgather clean-keys IN OUT
 python -m shardgather consolidate DCP_DIR OUT.safetensors [--dtype bf16] [--prefix model.]
+python -m shardgather consolidate DCP_DIR OUT_DIR --max-shard-size 5GB
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ._fqn import FLAT_PARAM_COMPONENTS, clean_fqn, has_wrapper_components
+from ._save import lay_out, write_alone
 from .errors import CheckpointError, ShardGatherError
 from .io.hf_layout import INDEX_SUFFIX, open_sources, safetensors_files
 from .io.publish import publish_file
@@ -53,7 +55,14 @@ def cmd_inspect(path: str) -> int:
     rows: list[tuple[str, str, tuple[int, ...], int]] = []
     aliases: dict[str, str] = {}
     files: list[str] = []
-    if os.path.isdir(path) or path.endswith(INDEX_SUFFIX):
+    from .io.dcp_format import dcp_sources, is_dcp_directory
+
+    dcp_files: set[str] = set()
+    if is_dcp_directory(path):
+        for k, t in dcp_sources(path).items():
+            rows.append((k, str(t.dtype).replace("torch.", ""), t.shape, t.nbytes))
+            dcp_files.update(t.paths)
+    elif os.path.isdir(path) or path.endswith(INDEX_SUFFIX):
         files, weight_map = safetensors_files(path)
         open_sources(files, weight_map)  # the files agree with each other and the index
     elif _is_safetensors(path):
@@ -65,7 +74,7 @@ def cmd_inspect(path: str) -> int:
         for k, t in header.tensors.items():
             rows.append((k, str(t.dtype).replace("torch.", ""), t.shape, t.end - t.begin))
         meta.update({k: v for k, v in header.metadata.items() if k != ALIASES_KEY})
-    if not files:
+    if not files and not dcp_files:
         for k, v in _torch_state_dict(path).items():
             rows.append(
                 (
@@ -82,7 +91,8 @@ def cmd_inspect(path: str) -> int:
     for a, k in aliases.items():
         print(f"{a:{width}}  (alias of {k})")
     total = sum(r[3] for r in rows)
-    in_files = f" in {len(files)} files" if len(files) > 1 else ""
+    n_files = max(len(files), len(dcp_files))
+    in_files = f" in {n_files} files" if n_files > 1 else ""
     print(f"{len(rows)} tensors, {len(aliases)} aliases, {total / 2**20:.1f} MiB{in_files}")
     if meta:
         print(f"metadata: {json.dumps(meta)}")
@@ -193,71 +203,107 @@ def cmd_clean_keys(src: str, out: str) -> int:
 
 
 def cmd_consolidate(
-    dcp_dir: str, out: str, dtype: str | None, prefix: str | None, progress: bool
+    dcp_dir: str,
+    out: str,
+    dtype: str | None,
+    prefix: str | None,
+    progress: bool,
+    max_shard_size: str | None = None,
 ) -> int:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    """A DCP directory -> one safetensors file, or the sharded HF layout. Reads through
+    the restricted DCP reader (nothing unpickled with pickle's full powers), one window
+    of at most 64 MiB in memory; same-dtype tensors are copied file to file in the
+    kernel (copy_file_range)."""
+    from .io.dcp_format import dcp_sources, is_dcp_directory
+    from .io.hf_layout import parse_size
 
-    reader = dcp.FileSystemReader(dcp_dir)
-    try:
-        md = reader.read_metadata()
-    except Exception as exc:
+    if not is_dcp_directory(dcp_dir):
         raise CheckpointError(
-            f"{dcp_dir}: not a torch.distributed.checkpoint directory ({exc})"
-        ) from exc
+            f"{dcp_dir}: not a torch.distributed.checkpoint directory (no .metadata)"
+        )
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     cast = DTYPES[dtype] if dtype else None
     items = []
-    for key, meta in md.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
+    for key, t in dcp_sources(dcp_dir).items():
         if prefix and not key.startswith(prefix):
             continue
         name = clean_fqn(key[len(prefix) :] if prefix else key)
-        src_dtype = meta.properties.dtype
-        out_dtype = cast if cast is not None and src_dtype.is_floating_point else src_dtype
-        items.append((key, name, tuple(meta.size), src_dtype, out_dtype))
+        out_dtype = cast if cast is not None and t.dtype.is_floating_point else t.dtype
+        items.append((name, t, out_dtype))
     if not items:
         raise CheckpointError(f"{dcp_dir}: no tensors{' under ' + prefix if prefix else ''}")
-    layout, pos = {}, 0
-    for _, name, shape, _, odt in items:
-        n = odt.itemsize
-        for d in shape:
-            n *= d
-        layout[name] = (odt, shape, pos, pos + n)
-        pos += n
-    head = encode_header(layout, {"format": "pt", "source": "torch.distributed.checkpoint"})
-    fd, tmp = _atomic_target(out)
-    try:
-        os.ftruncate(fd, len(head) + pos)
-        os.pwrite(fd, head, 0)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+    names = [n for n, _, _ in items]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise CheckpointError(f"{dcp_dir}: two keys clean to {dup!r}; pass --prefix")
+    fs = lay_out(
+        [(n, odt, t.shape) for n, t, odt in items],
+        out,
+        metadata={"source": "torch.distributed.checkpoint"},
+        max_shard_size=shard_bytes,
+    )
+    total = sum(fs.sizes)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=pos, unit="B", unit_scale=True, desc="consolidate")
-        for key, name, shape, sdt, odt in items:
-            # One tensor in memory at a time: DCP reads just its chunks.
-            t = torch.empty(shape, dtype=sdt)
-            try:
-                dcp.load({key: t}, storage_reader=reader, no_dist=True)
-            except (Exception, CheckpointException) as exc:  # DCP's, for damaged chunks
-                raise CheckpointError(
-                    f"{dcp_dir}: cannot read {key!r} ({type(exc).__name__}: {exc})"
-                ) from None
-            t = t.to(odt).contiguous()
-            pwrite_from(fd, t.reshape(-1).view(torch.uint8), len(head) + layout[name][2])
-            if bar is not None:
-                bar.update(layout[name][3] - layout[name][2])
-            del t
-        if bar is not None:
-            bar.close()
-        _finish(fd, tmp, out)
-    except BaseException:
-        _cleanup(fd, tmp)
-        raise
-    print(f"wrote {out}: {len(items)} tensors, {pos / 2**20:.1f} MiB")
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate")
+
+    def fill(fds: list[int], where: dict[str, tuple[int, int]]) -> None:
+        srcs: dict[str, int] = {}
+        buf = torch.empty(0, dtype=torch.uint8)
+        try:
+            for name, t, odt in items:
+                i, at = where[name]
+                size = t.dtype.itemsize
+                step = max(1, _COPY_CHUNK // size)
+                for a in range(0, t.numel, step):
+                    b = min(t.numel, a + step)
+                    if odt == t.dtype:
+                        for path, offset, first, count in t.runs(a, b):
+                            if path not in srcs:
+                                srcs[path] = os.open(path, os.O_RDONLY)
+                            _copy_range(srcs[path], offset, fds[i], at + first * size, count * size)
+                    else:
+                        n = (b - a) * size
+                        if buf.numel() < n:
+                            buf = torch.empty(n, dtype=torch.uint8)
+                        for path, offset, first, count in t.runs(a, b):
+                            if path not in srcs:
+                                srcs[path] = os.open(path, os.O_RDONLY)
+                            lo = (first - a) * size
+                            pread_into(srcs[path], buf[lo : lo + count * size], offset)
+                        cast_ = buf[:n].view(t.dtype).to(odt)
+                        pwrite_from(fds[i], cast_.view(torch.uint8), at + a * odt.itemsize)
+                    if bar is not None:
+                        bar.update((b - a) * odt.itemsize)
+        finally:
+            for fd in srcs.values():
+                os.close(fd)
+
+    write_alone(fs, fill)
+    if bar is not None:
+        bar.close()
+    what = f"{len(fs.names)} files" if fs.directory else "1 file"
+    print(f"wrote {out}: {len(items)} tensors, {total / 2**20:.1f} MiB in {what}")
     return 0
+
+
+def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
+    """n bytes file to file: in the kernel where it can (copy_file_range), else through
+    a buffer."""
+    done = 0
+    while done < n:
+        try:
+            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
+        except OSError:
+            k = 0
+        if k <= 0:
+            buf = torch.empty(n - done, dtype=torch.uint8)
+            pread_into(src, buf, src_off + done)
+            pwrite_from(dst, buf, dst_off + done)
+            return
+        done += k
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -272,9 +318,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("clean-keys", help="rewrite a checkpoint with clean (unwrapped) names")
     p.add_argument("src")
     p.add_argument("out")
-    p = sub.add_parser("consolidate", help="torch.distributed.checkpoint dir -> one safetensors")
+    p = sub.add_parser(
+        "consolidate",
+        help="torch.distributed.checkpoint dir -> one safetensors file or an HF directory",
+    )
     p.add_argument("dcp_dir")
-    p.add_argument("out")
+    p.add_argument("out", help="OUT.safetensors, or a directory with --max-shard-size")
+    p.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="write the Hugging Face sharded layout into OUT, files of at most this "
+        "size (e.g. 5GB, 4GiB; as transformers' save_pretrained)",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--prefix", default=None, help="only keys under this prefix (stripped)")
     p.add_argument("--no-progress", action="store_true")
@@ -285,7 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "clean-keys":
             return cmd_clean_keys(args.src, args.out)
         return cmd_consolidate(
-            args.dcp_dir, args.out, args.dtype, args.prefix, not args.no_progress
+            args.dcp_dir,
+            args.out,
+            args.dtype,
+            args.prefix,
+            not args.no_progress,
+            args.max_shard_size,
         )
     except ShardGatherError as exc:
         print(f"shardgather: error: {_one_line(exc)}", file=sys.stderr)

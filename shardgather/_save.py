@@ -82,11 +82,43 @@ def file_set(
     """
     name_of = stored_names or {k: k for k in plan.keys}
     order = _file_order(plan)
+    fs = lay_out(
+        [(name_of[e.key], e.target_dtype, tuple(e.shape)) for e in order],
+        path,
+        metadata=metadata,
+        max_shard_size=max_shard_size,
+        files=files,
+        aliases={name_of[a]: name_of[p] for a, p in plan.aliases.items()},
+        total_parameters=sum(e.numel for e in plan.entries.values() if not e.is_buffer),
+    )
+    fs.where = {e.key: fs.where[name_of[e.key]] for e in order}
+    return fs
+
+
+def lay_out(
+    tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    path: str | os.PathLike,
+    *,
+    metadata: dict[str, str] | None = None,
+    max_shard_size: int | None = None,
+    files: dict[str, bytes] | None = None,
+    aliases: dict[str, str] | None = None,
+    total_parameters: int | None = None,
+) -> FileSet:
+    """Files for ``(stored name, dtype, shape)`` tensors in this order (``where`` keyed
+    by stored name); ``aliases``: alias -> stored name, recorded in its tensor's file."""
+    nbytes = {}
+    for name, dtype, shape in tensors:
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        nbytes[name] = n
+    info = {name: (dtype, shape) for name, dtype, shape in tensors}
     if max_shard_size is None:
-        groups = [[e.key for e in order]]
+        groups = [[name for name, _, _ in tensors]]
         names = [os.path.basename(os.fspath(path))]
     else:
-        groups = hf_layout.split_shards([(e.key, e.nbytes) for e in order], max_shard_size)
+        groups = hf_layout.split_shards([(n, nbytes[n]) for n, _, _ in tensors], max_shard_size)
         names = hf_layout.shard_names(len(groups))
     headers: list[bytes] = []
     sizes: list[int] = []
@@ -96,27 +128,30 @@ def file_set(
         layout: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         pos = 0
         for k in keys:
-            e = plan.entries[k]
-            layout[name_of[k]] = (e.target_dtype, tuple(e.shape), pos, pos + e.nbytes)
-            pos += e.nbytes
-            weight_map[name_of[k]] = names[i]
+            layout[k] = (info[k][0], info[k][1], pos, pos + nbytes[k])
+            pos += nbytes[k]
+            weight_map[k] = names[i]
         meta = dict(metadata or {})
         meta["format"] = "pt"
         # Tied aliases are recorded with their tensor, in the file that stores it.
         here = set(keys)
-        aliases = {name_of[a]: name_of[p] for a, p in plan.aliases.items() if p in here}
-        if aliases:
-            meta[ALIASES_KEY] = json.dumps(aliases)
+        tied = {a: p for a, p in (aliases or {}).items() if p in here}
+        if tied:
+            meta[ALIASES_KEY] = json.dumps(tied)
         header = encode_header(layout, meta)
         for k in keys:
-            where[k] = (i, len(header) + layout[name_of[k]][2])
+            where[k] = (i, len(header) + layout[k][2])
         headers.append(header)
         sizes.append(len(header) + pos)
     extra = dict(files or {})
     if max_shard_size is not None and len(groups) > 1:
-        total_parameters = sum(e.numel for e in plan.entries.values() if not e.is_buffer)
+        total = sum(nbytes.values())
         extra[hf_layout.INDEX_FILE] = hf_layout.index_document(
-            weight_map, sum(e.nbytes for e in order), total_parameters
+            weight_map,
+            total,
+            total_parameters
+            if total_parameters is not None
+            else sum(nbytes[n] // info[n][0].itemsize for n in nbytes),
         )
     return FileSet(
         final=os.path.abspath(os.fspath(path)),
@@ -127,6 +162,30 @@ def file_set(
         where=where,
         extra=extra,
     )
+
+
+def write_alone(fs: FileSet, fill: Any) -> None:
+    """One process writes the whole file set: ``fill(fds, where)`` pwrites every
+    tensor (``fds[i]`` is file ``i``'s descriptor, ``where`` as in the FileSet); then
+    fsync and atomic publishing, or nothing left behind on any error."""
+    tmp, _paths, fds = _create(fs)
+    try:
+        fill(fds, fs.where)
+        for fd in fds:
+            os.fsync(fd)
+    except BaseException:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _remove(tmp)
+        raise
+    for fd in fds:
+        os.close(fd)
+    try:
+        _publish(fs, tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 class _OpenFiles:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -95,3 +97,30 @@ def test_bad_file_is_an_error_not_a_crash(tmp_path, capsys) -> None:  # type: ig
     bad.write_bytes(b"garbage")
     assert main(["inspect", str(bad)]) == 2
     assert "not a safetensors or torch checkpoint" in capsys.readouterr().err
+
+
+def test_consolidate_to_the_hf_layout_matches_torch_and_loads(tmp_path, model) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with pytest.warns(UserWarning):
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert main(["inspect", str(tmp_path / "dcp")]) == 0
+    out = tmp_path / "hf"
+    args = ["consolidate", str(tmp_path / "dcp"), str(out), "--max-shard-size", "2KB"]
+    assert main([*args, "--no-progress"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    # The same tensors torch's own consolidation produces, in the model's order.
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "torch.pt"))
+    want = torch.load(tmp_path / "torch.pt", weights_only=True)
+    got = {}
+    for name in sorted(set(index["weight_map"].values())):
+        got.update(sg.load_file(out / name))
+    assert not diff_state_dicts(got, want, order=False)
+    assert list(index["weight_map"]) == sorted(want)  # save_pretrained sorts the index
+    # A damaged directory is refused and nothing appears under the final name.
+    (next((tmp_path / "dcp").glob("*.distcp"))).write_bytes(b"")
+    assert main([*args[:2], str(tmp_path / "again"), "--no-progress"]) == 2
+    assert not (tmp_path / "again").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
