@@ -592,6 +592,17 @@ def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: f
         sg.load_full_state_dict(model, hf, bucket_mb=bucket_mb)
     out["hf_load_rise"] = m["peak_rise"]
     out["hf_files"] = len(__import__("os").listdir(hf))
+    # A DCP directory torch wrote from the sharded model: the same bound (chunks located
+    # from their zip directories, each rank reading its own elements only).
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp_dir = path + ".dcp"
+    dcp.save(get_model_state_dict(model), checkpoint_id=dcp_dir)
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_state_dict(model, dcp_dir, bucket_mb=bucket_mb)
+    out["dcp_load_rise"] = m["peak_rise"]
     # save_checkpoint with optimizer state (2x the model) stays within the same bound.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
