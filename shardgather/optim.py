@@ -413,6 +413,24 @@ class _SavedSlice:
     def fetch(self, e: Entry, src: Source) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def read_into(self, e: Entry, src: Source, rows: torch.Tensor, dtype: torch.dtype) -> None:
+        """This rank's elements, cast to ``dtype``, into its row (uint8 ``[1, bytes]``).
+        One part at a time: a parameter's parts are never all held at once."""
+        lo, hi = _own_range(e, src)
+        part = self.fetch(e, src)
+        if hi > lo:
+            seg = L.Segment(
+                e.base + lo,
+                src.row_numel,
+                0,
+                hi - lo,
+                0,
+                0,
+                L.kind_of(dtype),
+                L.kind_of(part.dtype),
+            )
+            _ops.copy_in([part], L.segment_table([seg]), rows, src.rank)
+
 
 def _skeleton_value(v: Any, entry: Entry | None) -> tuple:
     """How one state value of rank 0 travels: a tensor shaped like its parameter as
@@ -564,28 +582,14 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
             continue
         dtype = v0.dtype
         row = torch.zeros(src.row_numel, dtype=dtype)
+        rows = row.view(torch.uint8).view(1, -1)
         fulls, segs = [], []
         for k, v in zip(r.keys, vals):
             if v is None:
                 continue
             e = plan.entries[k]
             if isinstance(v, _SavedSlice):
-                lo, hi = _own_range(e, src)
-                part = v.fetch(e, src)
-                if hi > lo:
-                    fulls.append(part)
-                    segs.append(
-                        L.Segment(
-                            e.base + lo,
-                            src.row_numel,
-                            0,
-                            hi - lo,
-                            len(fulls) - 1,
-                            0,
-                            L.kind_of(dtype),
-                            L.kind_of(part.dtype),
-                        )
-                    )
+                v.read_into(e, src, rows, dtype)
                 continue
             fulls.append(_flat_of(e, v))
             segs.append(
@@ -600,8 +604,8 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
                     L.kind_of(v.dtype),
                 )
             )
-        rows = row.view(torch.uint8).view(1, -1)
-        _ops.copy_in(fulls, L.segment_table(segs), rows, src.rank)
+        if fulls:
+            _ops.copy_in(fulls, L.segment_table(segs), rows, src.rank)
         out[name] = _shape_like(r, row)
     return out
 
@@ -657,6 +661,22 @@ class FileState(Mapping):
 class _FileSlice(_SavedSlice):
     def __init__(self, path: str, info: TensorInfo) -> None:
         self.path, self.info, self.dtype = path, info, info.dtype
+
+    def read_into(self, e: Entry, src: Source, rows: torch.Tensor, dtype: torch.dtype) -> None:
+        if not (e.is_contiguous and dtype == self.dtype and rows.device.type == "cpu"):
+            return super().read_into(e, src, rows, dtype)
+        # The file's row-major bytes are the row's: pread them straight into place.
+        lo, hi = _own_range(e, src)
+        if hi <= lo:
+            return None
+        size = self.dtype.itemsize
+        start = (e.base + lo - src.rank * src.row_numel) * size
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pread_into(fd, rows[0, start : start + (hi - lo) * size], self.info.begin + lo * size)
+        finally:
+            os.close(fd)
+        return None
 
     def fetch(self, e: Entry, src: Source) -> torch.Tensor:
         lo, hi = _own_range(e, src)

@@ -49,7 +49,8 @@ def test_full_state_dict_save_and_load_stay_within_budget(tmp_path) -> None:  # 
     assert r0["osd_bytes"] > 2 * r1["own_state_bytes"] * 0.9, results
     bound = r1["own_state_bytes"] + r1["largest_tensor_bytes"] // 2 + slack
     assert r1["optim_load_rise"] <= bound, results
-    # From a checkpoint directory, every rank reads only its own elements: its new
-    # shards of the state, plus staging.
+    # From a checkpoint directory, every rank preads only its own elements, straight
+    # into its new shards of the state: nothing else (measured: own + 0.1 MiB; before,
+    # parts fetched into temporaries put it 48-88 MiB higher, and over the old bound).
     for r in results:
-        assert r["checkpoint_load_rise"] <= r["own_state_bytes"] + staging + slack, results
+        assert r["checkpoint_load_rise"] <= r["own_state_bytes"] + BUCKET_MB * MiB, results
