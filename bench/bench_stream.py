@@ -97,11 +97,10 @@ def _stream_methods(model: torch.nn.Module, args: argparse.Namespace, engine: di
         # and nothing consumed (engine left as is; not verified).
         import datetime as dt
 
-        from shardgather._collectives import BucketGathers
-        from shardgather.api import _my_buckets
+        from shardgather._collectives import BucketGathers, my_buckets
 
         plan = gatherer._plan()
-        buckets = _my_buckets(plan, args.bucket_mb, False)
+        buckets = my_buckets(plan, args.bucket_mb, False)
         gathers = BucketGathers(
             buckets, lambda b: True, timeout=dt.timedelta(minutes=5), use_gather=False, slots=1
         )

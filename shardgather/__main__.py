@@ -46,9 +46,9 @@ def _is_safetensors(path: str) -> bool:
 
 
 def _torch_state_dict(path: str) -> dict[str, torch.Tensor]:
-    from .checkpoint import _torch_file
+    from .checkpoint import read_torch_file
 
-    return _torch_file(path, clean=False)
+    return read_torch_file(path, clean=False)
 
 
 def cmd_inspect(path: str) -> int:

@@ -378,3 +378,38 @@ def gather_buckets(
         if i + 1 < len(buckets):
             gathers.launch(i + 1)
         yield buckets[i], rows
+
+
+def receiving(plan: GatherPlan, rank0_only: bool) -> bool:
+    return not rank0_only or plan.rank == 0
+
+
+def my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Bucket]:
+    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20))
+    if rank0_only:
+        # Only the shard group holding global rank 0 gathers (one HSDP replica).
+        buckets = [b for b in buckets if 0 in b.ranks]
+    return buckets
+
+
+def use_gather(buckets: list[Bucket], rank0_only: bool) -> bool:
+    # gloo's gather sends each row once, to the receiver only: half the traffic and
+    # no gathered buffer on the senders. NCCL has no native gather; all-gather there.
+    if not rank0_only or not buckets:
+        return False
+    return all("gloo" in str(dist.get_backend(b.group)).lower() for b in buckets)
+
+
+def receive_from_rank0(
+    t: torch.Tensor | None, meta: tuple[tuple[int, ...], torch.dtype]
+) -> torch.Tensor:
+    """Rank 0's tensor on every rank (one tensor in flight: bounded memory)."""
+    shape, dtype = meta
+    device = p2p_device()
+    if dist.get_rank() == 0:
+        assert t is not None
+        buf = t.detach().to(device).contiguous()
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(buf, src=0)
+    return buf

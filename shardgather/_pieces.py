@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import _layout as L
 from . import _ops
-from ._plan import Entry, GatherPlan
+from ._plan import Entry, GatherPlan, memory_order_flat
 from .io.safetensors_format import pwrite_from
 
 _STAGING_BYTES = 16 * 2**20
@@ -135,3 +136,18 @@ def cast_into(chunk: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> Non
     rows = chunk.contiguous().view(torch.uint8).view(1, -1)
     seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(chunk.dtype), L.kind_of(dtype))
     _ops.copy_out(rows, 0, L.segment_table([seg]), [out])
+
+
+def copy_local(src: torch.Tensor, e: Any, out: torch.Tensor) -> None:
+    """A tensor every rank holds in full (buffer, unmanaged or NO_SHARD param)."""
+    flat_out = memory_order_flat(out)
+    n = e.numel
+    chunk = src[e.base : e.base + n]
+    if chunk.device.type == "cpu" and chunk.is_contiguous() and n > 0:
+        rows = (
+            chunk.view(torch.uint8).view(1, -1) if chunk.element_size() > 1 else chunk.view(1, -1)
+        )
+        seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(chunk.dtype), L.kind_of(out.dtype))
+        _ops.copy_out(rows.contiguous(), 0, L.segment_table([seg]), [flat_out])
+    elif n > 0:
+        flat_out.copy_(chunk)

@@ -110,7 +110,7 @@ def _is_dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or (t.dim() == 0)
 
 
-def _memory_order_flat(t: torch.Tensor) -> torch.Tensor:
+def memory_order_flat(t: torch.Tensor) -> torch.Tensor:
     """The elements of a dense tensor in memory order, 1-D (no copy)."""
     if t.numel() == 0:
         return t.reshape(0)
@@ -378,9 +378,9 @@ def _local_source(t: torch.Tensor, key: str, sources: list[Source]) -> Source:
         rank=0,
         row_numel=t.numel(),
         dtype=t.dtype,
-        local=lambda t=t: _memory_order_flat(t),
+        local=lambda t=t: memory_order_flat(t),
         description=f"local tensor {key}",
-        storage=(lambda t=t: _memory_order_flat(t)) if dense else None,
+        storage=(lambda t=t: memory_order_flat(t)) if dense else None,
     )
     sources.append(src)
     return src
@@ -506,7 +506,7 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = GatherPlan(keys, entries, aliases, sources, rank, world, identities=by_identity)
-    plan.fingerprint = _fingerprint(plan)
+    plan.fingerprint = fingerprint(plan)
     return plan
 
 
@@ -527,7 +527,7 @@ def _local_entry(
     return Entry(key, shape, stride, t.dtype, src, 0, is_buffer=is_buffer)
 
 
-def _fingerprint(plan: GatherPlan) -> str:
+def fingerprint(plan: GatherPlan) -> str:
     """A digest every rank must agree on before any collective runs."""
     import hashlib
 
@@ -543,3 +543,24 @@ def _fingerprint(plan: GatherPlan) -> str:
                 f"{s.world}:{s.row_numel}:{s.dtype}:{s.group is None};".encode()
             )
     return h.hexdigest()[:16]
+
+
+def own_range(e: Entry, src: Source | None = None) -> tuple[int, int]:
+    """This rank's elements of ``e`` (memory order) in its row of ``src`` (default: the
+    entry's own source), or all of a local tensor."""
+    src = src or e.source
+    return elems_in_row(e.base, src.row_numel, e.numel, src.rank)
+
+
+def flat_of(e: Entry, full: torch.Tensor) -> torch.Tensor:
+    """``full`` in ``e``'s memory order, flattened."""
+    t = full.detach()
+    if not e.is_contiguous:
+        t = torch.empty_strided(tuple(e.shape), e.stride, dtype=t.dtype, device=t.device).copy_(t)
+    return memory_order_flat(t.contiguous() if e.is_contiguous else t)
+
+
+def elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
+    lo = min(max(row * p - base, 0), numel)
+    hi = min(max((row + 1) * p - base, 0), numel)
+    return lo, max(lo, hi)

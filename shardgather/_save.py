@@ -24,17 +24,11 @@ import torch.distributed as dist
 
 from . import _layout as L
 from . import _node_local, _ops
-from ._collectives import bucket_parts, gather_buckets
-from ._plan import Entry, GatherPlan, _memory_order_flat
-from .api import (
-    DEFAULT_TIMEOUT,
-    _copy_local,
-    _my_buckets,
-    _Progress,
-    _use_gather,
-    all_ok,
-    default_bucket_mb,
-)
+from ._collectives import bucket_parts, gather_buckets, my_buckets, use_gather
+from ._options import DEFAULT_TIMEOUT, Progress, default_bucket_mb
+from ._pieces import copy_local
+from ._plan import Entry, GatherPlan, memory_order_flat
+from .api import all_ok
 from .errors import CheckpointError, CollectiveError
 from .io import hf_layout
 from .io.publish import publish_dir, publish_file
@@ -366,7 +360,7 @@ def _write_unsharded(plan: GatherPlan, target: Any) -> None:
     for e in plan.entries.values():
         if e.source.group is None:
             full = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
-            _copy_local(e.source.local(), e, full)
+            copy_local(e.source.local(), e, full)
             fd, offset = target(e)
             pwrite_from(fd, full.contiguous().reshape(-1).view(torch.uint8), offset)
 
@@ -387,13 +381,13 @@ def _stream(
     together and raises the same error instead of waiting for a timeout.
     """
     total = sum(e.nbytes for e in plan.entries.values() if e.source.group is not None)
-    bar = _Progress(progress and writer, total, "shardgather: save")
+    bar = Progress(progress and writer, total, "shardgather: save")
     sink = _FileSink(target)
     try:
-        buckets = _my_buckets(plan, bucket_mb, True)
+        buckets = my_buckets(plan, bucket_mb, True)
         by_source = plan.entries_by_source()
         for bucket, rows in gather_buckets(
-            buckets, lambda b: writer, timeout=timeout, use_gather=_use_gather(buckets, True)
+            buckets, lambda b: writer, timeout=timeout, use_gather=use_gather(buckets, True)
         ):
             if rows is None or failure is not None:
                 continue
@@ -449,7 +443,7 @@ class _FileSink:
             self.pending[e.key] = (t, [e.numel])
         t, left = self.pending[e.key]
         seg = p.segment.with_dst(0, p.start * e.target_dtype.itemsize)
-        _ops.copy_out(rows, 0, L.segment_table([seg]), [_memory_order_flat(t)])
+        _ops.copy_out(rows, 0, L.segment_table([seg]), [memory_order_flat(t)])
         left[0] -= p.numel
         if left[0] == 0:
             fd, offset = self.target(e)

@@ -11,42 +11,17 @@ from torch import nn
 
 from . import _layout as L
 from . import _node_local, _ops, _staging
-from ._collectives import Bucket, agree, bucket_parts, build_buckets, gather_buckets
-from ._plan import GatherPlan, _memory_order_flat, build_plan
-from .errors import ShardGatherError
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-CPU_BUCKET_MB = 16
-CUDA_BUCKET_MB = 256
-
-
-def default_bucket_mb(plan: GatherPlan) -> float:
-    """16 MiB when every gathered source lives on the CPU, else 256 MiB."""
-    on_cuda = any(s.group is not None and s.local().is_cuda for s in plan.sources)
-    return CUDA_BUCKET_MB if on_cuda else CPU_BUCKET_MB
-
-
-def _verify_options(model: Any, bucket_mb: float | None, dtype: torch.dtype | None) -> None:
-    if not isinstance(model, nn.Module):
-        raise ShardGatherError(
-            f"expected an nn.Module (plain, DDP, torch.compile'd, FSDP1 or FSDP2), got "
-            f"{type(model).__name__}"
-        )
-    if bucket_mb is not None and not bucket_mb > 0:
-        raise ShardGatherError(f"bucket_mb must be > 0, got {bucket_mb}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ShardGatherError(f"dtype must be a floating-point torch.dtype or None, got {dtype}")
-
-
-def _verify_transport(transport: str, pin_memory: bool) -> None:
-    if transport not in ("auto", "shm", "collective"):
-        raise ShardGatherError(
-            f"transport must be 'auto', 'shm' or 'collective', got {transport!r}"
-        )
-    if pin_memory and not torch.cuda.is_available():
-        raise ShardGatherError("pin_memory=True needs CUDA (pinned memory is page-locked for DMA)")
+from ._collectives import (
+    agree,
+    bucket_parts,
+    gather_buckets,
+    my_buckets,
+    receiving,
+    use_gather,
+)
+from ._options import DEFAULT_TIMEOUT, Progress, default_bucket_mb, verify_options, verify_transport
+from ._pieces import copy_local
+from ._plan import GatherPlan, build_plan, memory_order_flat
 
 
 def all_ok(ok: bool, message: str) -> list[str]:
@@ -59,43 +34,6 @@ def all_ok(ok: bool, message: str) -> list[str]:
     except Exception as exc:
         return [f"a rank is unreachable ({exc})"]
     return [f"rank {r}: {m}" for r, (o, m) in enumerate(out) if not o]
-
-
-def _receiving(plan: GatherPlan, rank0_only: bool) -> bool:
-    return not rank0_only or plan.rank == 0
-
-
-def _my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Bucket]:
-    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20))
-    if rank0_only:
-        # Only the shard group holding global rank 0 gathers (one HSDP replica).
-        buckets = [b for b in buckets if 0 in b.ranks]
-    return buckets
-
-
-def _use_gather(buckets: list[Bucket], rank0_only: bool) -> bool:
-    # gloo's gather sends each row once, to the receiver only: half the traffic and
-    # no gathered buffer on the senders. NCCL has no native gather; all-gather there.
-    if not rank0_only or not buckets:
-        return False
-    return all("gloo" in str(dist.get_backend(b.group)).lower() for b in buckets)
-
-
-class _Progress:
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def full_state_dict(
@@ -153,8 +91,8 @@ def full_state_dict(
         >>> if dist.get_rank() == 0:
         ...     plain_model.load_state_dict(sd)
     """
-    _verify_options(model, bucket_mb, dtype)
-    _verify_transport(transport, pin_memory)
+    verify_options(model, bucket_mb, dtype)
+    verify_transport(transport, pin_memory)
     plan = build_plan(model, dtype=dtype)
     agree(plan, timeout)
     outputs = gather_plan(
@@ -198,7 +136,7 @@ def gather_plan(
         return _node_local.gather_to_shm(
             plan,
             lambda i: 0 in plan.sources[i].group_ranks,
-            _copy_local,
+            copy_local,
             timeout,
             all_ok,
             message_bytes=int(bucket_mb * 2**20),
@@ -206,7 +144,7 @@ def gather_plan(
         )
     if held is not None:
         held.close()  # regions of an earlier node-local call: not written any more
-    receives = _receiving(plan, rank0_only)
+    receives = receiving(plan, rank0_only)
     if outputs is None:
         outputs = {}
         if receives:
@@ -215,21 +153,21 @@ def gather_plan(
                     tuple(e.shape), e.stride, dtype=e.target_dtype, pin_memory=pin_memory
                 )
     total = sum(e.nbytes for e in plan.entries.values())
-    bar = _Progress(progress and receives, total, "shardgather: gather")
+    bar = Progress(progress and receives, total, "shardgather: gather")
     try:
         if receives:
             for key, e in plan.entries.items():
                 if e.source.group is None:
-                    _copy_local(e.source.local(), e, outputs[key])
+                    copy_local(e.source.local(), e, outputs[key])
                     bar.update(e.nbytes)
-        buckets = _my_buckets(plan, bucket_mb, rank0_only)
+        buckets = my_buckets(plan, bucket_mb, rank0_only)
         by_source = plan.entries_by_source()
         slot = 0
         for bucket, rows in gather_buckets(
             buckets,
             lambda b: receives,
             timeout=timeout,
-            use_gather=_use_gather(buckets, rank0_only),
+            use_gather=use_gather(buckets, rank0_only),
         ):
             if rows is None:
                 continue
@@ -254,24 +192,9 @@ def _copy_out_direct(rows: torch.Tensor, parts: list, outputs: dict[str, torch.T
     for p in parts:
         if p.entry.key not in index:
             index[p.entry.key] = len(fulls)
-            fulls.append(_memory_order_flat(outputs[p.entry.key]))
+            fulls.append(memory_order_flat(outputs[p.entry.key]))
         segs.append(p.segment.with_dst(index[p.entry.key], p.start * p.entry.target_dtype.itemsize))
     _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
-
-
-def _copy_local(src: torch.Tensor, e: Any, out: torch.Tensor) -> None:
-    """A tensor every rank holds in full (buffer, unmanaged or NO_SHARD param)."""
-    flat_out = _memory_order_flat(out)
-    n = e.numel
-    chunk = src[e.base : e.base + n]
-    if chunk.device.type == "cpu" and chunk.is_contiguous() and n > 0:
-        rows = (
-            chunk.view(torch.uint8).view(1, -1) if chunk.element_size() > 1 else chunk.view(1, -1)
-        )
-        seg = L.Segment(0, n, 0, n, 0, 0, L.kind_of(chunk.dtype), L.kind_of(out.dtype))
-        _ops.copy_out(rows.contiguous(), 0, L.segment_table([seg]), [flat_out])
-    elif n > 0:
-        flat_out.copy_(chunk)
 
 
 def _copy_out_cuda(
@@ -299,6 +222,6 @@ def _copy_out_cuda(
     _ops.copy_out(rows, 0, L.segment_table(segs), [staging])
     torch.cuda.current_stream(rows.device).synchronize()
     for p, n, o in zip(parts, sizes, offsets):
-        out = _memory_order_flat(outputs[p.entry.key]).view(torch.uint8)
+        out = memory_order_flat(outputs[p.entry.key]).view(torch.uint8)
         b = p.start * p.entry.target_dtype.itemsize
         out[b : b + n].copy_(staging[o : o + n])

@@ -15,14 +15,19 @@ from torch import nn
 from . import _layout as L
 from . import _ops
 from ._collectives import agree, p2p_device, scatter_slice
-from ._plan import Entry, GatherPlan, Source, _memory_order_flat, build_plan, reshard_for_load
-from ._save import file_set, save_plan
-from .api import (
-    DEFAULT_TIMEOUT,
-    _verify_options,
-    _verify_transport,
-    all_ok,
+from ._options import DEFAULT_TIMEOUT, verify_options, verify_transport
+from ._plan import (
+    Entry,
+    GatherPlan,
+    build_plan,
+    elems_in_row,
+    flat_of,
+    memory_order_flat,
+    own_range,
+    reshard_for_load,
 )
+from ._save import file_set, save_plan
+from .api import all_ok
 from .errors import CheckpointError, ShardGatherError, StateDictMismatchError
 from .io.dcp_format import dcp_sources, is_dcp_directory
 from .io.hf_layout import (
@@ -107,8 +112,8 @@ def save_full_state_dict(
         ...     model, "out/llama", max_shard_size="5GB", key_map={"": "model."},
         ...     files={"config.json": hf_config.to_dict()})
     """
-    _verify_options(model, bucket_mb, dtype)
-    _verify_transport(transport, False)
+    verify_options(model, bucket_mb, dtype)
+    verify_transport(transport, False)
     if metadata is not None and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -299,7 +304,7 @@ def load_full_state_dict(
         CheckpointError: missing, truncated, corrupt or unsupported file.
         StateDictMismatchError: keys (strict), shapes or non-castable dtypes differ.
     """
-    _verify_options(model, bucket_mb, None)
+    verify_options(model, bucket_mb, None)
     if not isinstance(source, (str, os.PathLike, Mapping)):
         raise ShardGatherError(
             f"source must be a file path or a dict of tensors, got {type(source).__name__}"
@@ -314,7 +319,9 @@ def load_full_state_dict(
     path = os.fspath(source)
     dcp = is_dcp_directory(path)
     if not (dcp or is_safetensors_source(path) or _looks_like_safetensors(path)):
-        return _load_from_dict(plan, _renamed(_torch_file(path), key_map), strict, path, timeout)
+        return _load_from_dict(
+            plan, _renamed(read_torch_file(path), key_map), strict, path, timeout
+        )
     # Every header, index or DCP metadata validated, and the keys matched, before any
     # data moves.
     stored = dcp_sources(path) if dcp else stored_tensors(path)
@@ -369,7 +376,7 @@ def _looks_like_safetensors(path: str) -> bool:
         return False
 
 
-def _torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
+def read_torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
     """A torch.save'd state dict, memory-mapped: only the pages a rank reads are loaded.
     A nested ``state_dict``/``model``/``module`` dict is found; ``clean`` strips wrapper
     prefixes from the keys."""
@@ -436,34 +443,6 @@ def _load_from_dict(
     return result
 
 
-def _receive(t: torch.Tensor | None, meta: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
-    """Rank 0's tensor on every rank (one tensor in flight: bounded memory)."""
-    shape, dtype = meta
-    device = p2p_device()
-    if dist.get_rank() == 0:
-        assert t is not None
-        buf = t.detach().to(device).contiguous()
-    else:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-    dist.broadcast(buf, src=0)
-    return buf
-
-
-def _own_range(e: Entry, src: Source | None = None) -> tuple[int, int]:
-    """This rank's elements of ``e`` (memory order) in its row of ``src`` (default: the
-    entry's own source), or all of a local tensor."""
-    src = src or e.source
-    return _elems_in_row(e.base, src.row_numel, e.numel, src.rank)
-
-
-def _flat_of(e: Entry, full: torch.Tensor) -> torch.Tensor:
-    """``full`` in ``e``'s memory order, flattened."""
-    t = full.detach()
-    if not e.is_contiguous:
-        t = torch.empty_strided(tuple(e.shape), e.stride, dtype=t.dtype, device=t.device).copy_(t)
-    return _memory_order_flat(t.contiguous() if e.is_contiguous else t)
-
-
 def _scatter_from_rank0(
     plan: GatherPlan,
     sd: dict[str, torch.Tensor],
@@ -474,7 +453,7 @@ def _scatter_from_rank0(
     rank holds in full); everyone copies them in. Returns "" or what failed here; after
     a failure the exchange still runs its course so that nobody hangs."""
     loaded = {key: _source_key(plan, key, shapes) for key in plan.entries}
-    mine = {key: _own_range(e) for key, e in plan.entries.items() if loaded[key] is not None}
+    mine = {key: own_range(e) for key, e in plan.entries.items() if loaded[key] is not None}
     ranges: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranges, mine)
     device = p2p_device()
@@ -495,7 +474,7 @@ def _scatter_from_rank0(
         flat = None
         if dist.get_rank() == 0:
             try:
-                flat = _flat_of(e, sd[src_key]).to(device)
+                flat = flat_of(e, sd[src_key]).to(device)
             except Exception as exc:
                 error = error or f"{key}: {type(exc).__name__}: {exc}"
         scatter_slice(
@@ -511,9 +490,9 @@ def _scatter_from_rank0(
 
 def _copy_in_entry(e: Entry, full: torch.Tensor) -> None:
     """This rank's elements of one entry, from a full tensor, into its shard storage."""
-    lo, hi = _own_range(e)
+    lo, hi = own_range(e)
     if hi > lo:
-        _copy_in_slice(e, lo, hi, _flat_of(e, full)[lo:hi])
+        _copy_in_slice(e, lo, hi, flat_of(e, full)[lo:hi])
 
 
 def _copy_in_slice(e: Entry, lo: int, hi: int, flat: torch.Tensor) -> None:
@@ -531,12 +510,6 @@ def _copy_in_slice(e: Entry, lo: int, hi: int, flat: torch.Tensor) -> None:
     _ops.copy_in([flat], L.segment_table([seg]), row, first_row)
 
 
-def _elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
-    lo = min(max(row * p - base, 0), numel)
-    hi = min(max((row + 1) * p - base, 0), numel)
-    return lo, max(lo, hi)
-
-
 def _locate_own(plan: GatherPlan, sources: Mapping[str, StoredTensor]) -> None:
     """Where this rank's elements of every entry are (reads DCP chunks' directories)."""
     for key, e in plan.entries.items():
@@ -546,7 +519,7 @@ def _locate_own(plan: GatherPlan, sources: Mapping[str, StoredTensor]) -> None:
             if not e.is_contiguous:
                 lo, hi = 0, stored.numel
             else:
-                lo, hi = _elems_in_row(e.base, e.source.row_numel, e.numel, _local_row(e)[1])
+                lo, hi = elems_in_row(e.base, e.source.row_numel, e.numel, _local_row(e)[1])
             for _ in stored.runs(lo, hi):
                 pass
 
@@ -576,7 +549,7 @@ def _read_own_bytes(
             if not e.is_contiguous:
                 _load_strided(fd_of, e, stored, row, first_row)
                 continue
-            lo, hi = _elems_in_row(e.base, src.row_numel, e.numel, first_row)
+            lo, hi = elems_in_row(e.base, src.row_numel, e.numel, first_row)
             fsize = stored.dtype.itemsize
             if stored.dtype == src.dtype and not row.is_cuda:
                 # Same dtype, host shard: the file's bytes are the shard's bytes, so
@@ -627,7 +600,7 @@ def _load_strided(
     full = raw.view(stored.dtype).view(stored.shape)
     laid = torch.empty_strided(tuple(e.shape), e.stride, dtype=stored.dtype)
     laid.copy_(full)
-    flat = _memory_order_flat(laid).view(torch.uint8)
+    flat = memory_order_flat(laid).view(torch.uint8)
     if row.is_cuda:
         flat = flat.pin_memory()
     seg = L.Segment(

@@ -23,10 +23,19 @@ from torch import nn
 
 from . import _layout as L
 from . import _ops
-from ._collectives import agree, p2p_device, scatter_slice
-from ._plan import Entry, GatherPlan, Source, _fingerprint, _memory_order_flat, build_plan
-from .api import DEFAULT_TIMEOUT, _verify_options, _verify_transport, gather_plan
-from .checkpoint import _flat_of, _own_range, _receive
+from ._collectives import agree, p2p_device, receive_from_rank0, scatter_slice
+from ._options import DEFAULT_TIMEOUT, verify_options, verify_transport
+from ._plan import (
+    Entry,
+    GatherPlan,
+    Source,
+    build_plan,
+    fingerprint,
+    flat_of,
+    memory_order_flat,
+    own_range,
+)
+from .api import gather_plan
 from .errors import CheckpointError, ShardGatherError, StateDictMismatchError
 from .io.safetensors_format import Header, TensorInfo, pread_into
 
@@ -89,7 +98,7 @@ def _local_row(ref: _ParamRef, v: torch.Tensor) -> torch.Tensor:
     if ref.kind == "fsdp2":
         return v.to_local().detach().reshape(-1)
     if ref.kind == "local":
-        return _memory_order_flat(v.detach())
+        return memory_order_flat(v.detach())
     return v.detach().reshape(-1)
 
 
@@ -170,8 +179,8 @@ def full_optim_state_dict(
     Example:
         >>> osd = shardgather.full_optim_state_dict(model, optimizer)
     """
-    _verify_options(model, bucket_mb, None)
-    _verify_transport(transport, False)
+    verify_options(model, bucket_mb, None)
+    verify_transport(transport, False)
     st = state_plan(model, optimizer, timeout)
     gathered = gather_plan(
         st.plan, rank0_only=rank0_only, bucket_mb=bucket_mb, timeout=timeout, transport=transport
@@ -248,7 +257,7 @@ def state_plan(
                     f"{name}/{k}", pe.shape, pe.stride, dtype, state_src, pe.base
                 )
     splan = GatherPlan(list(entries), entries, {}, sources, plan.rank, plan.world)
-    splan.fingerprint = _fingerprint(splan)
+    splan.fingerprint = fingerprint(splan)
     agree(splan, timeout)
     param_groups = []
     for group, rs in zip(optimizer.param_groups, groups):
@@ -416,7 +425,7 @@ class _SavedSlice:
     def read_into(self, e: Entry, src: Source, rows: torch.Tensor, dtype: torch.dtype) -> None:
         """This rank's elements, cast to ``dtype``, into its row (uint8 ``[1, bytes]``).
         One part at a time: a parameter's parts are never all held at once."""
-        lo, hi = _own_range(e, src)
+        lo, hi = own_range(e, src)
         part = self.fetch(e, src)
         if hi > lo:
             seg = L.Segment(
@@ -489,7 +498,7 @@ class _Rank0State(Mapping):
 
     def exchange_ranges(self, plan: GatherPlan, refs: list[_ParamRef]) -> None:
         """Every rank's element range of every key it loads, known to rank 0."""
-        mine = {k: _own_range(plan.entries[k], r.source) for r in refs for k in r.keys}
+        mine = {k: own_range(plan.entries[k], r.source) for r in refs for k in r.keys}
         self.ranges = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(self.ranges, mine)
 
@@ -522,7 +531,7 @@ class _Rank0Entry(Mapping):
         mine = self._real[name] if self._real is not None else None
         if kind == "slice":
             return _RemoteSlice(self._state, self._key, rest[0], mine)
-        return _receive(mine, (rest[0], rest[1])).cpu()
+        return receive_from_rank0(mine, (rest[0], rest[1])).cpu()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._skeleton)
@@ -544,12 +553,12 @@ class _RemoteSlice(_SavedSlice):
     def fetch(self, e: Entry, src: Source) -> torch.Tensor:
         """This rank's elements of the tensor (its range of ``e`` in ``src``'s row)."""
         ranges = [r.get(self.key) for r in self.state.ranges]
-        flat = _flat_of(e, self.full).to(p2p_device()) if self.full is not None else None
+        flat = flat_of(e, self.full).to(p2p_device()) if self.full is not None else None
         got: list[torch.Tensor] = []
         scatter_slice(
             flat, ranges, self.dtype, self.state.timeout, f"state of {self.key}", got.append
         )
-        lo, hi = _own_range(e, src)
+        lo, hi = own_range(e, src)
         return got[0].cpu() if got else torch.empty(max(hi - lo, 0), dtype=self.dtype)
 
 
@@ -591,7 +600,7 @@ def _local_state(r: _ParamRef, plan: GatherPlan, full_state: Mapping[str, Any]) 
             if isinstance(v, _SavedSlice):
                 v.read_into(e, src, rows, dtype)
                 continue
-            fulls.append(_flat_of(e, v))
+            fulls.append(flat_of(e, v))
             segs.append(
                 L.Segment(
                     e.base,
@@ -666,7 +675,7 @@ class _FileSlice(_SavedSlice):
         if not (e.is_contiguous and dtype == self.dtype and rows.device.type == "cpu"):
             return super().read_into(e, src, rows, dtype)
         # The file's row-major bytes are the row's: pread them straight into place.
-        lo, hi = _own_range(e, src)
+        lo, hi = own_range(e, src)
         if hi <= lo:
             return None
         size = self.dtype.itemsize
@@ -679,7 +688,7 @@ class _FileSlice(_SavedSlice):
         return None
 
     def fetch(self, e: Entry, src: Source) -> torch.Tensor:
-        lo, hi = _own_range(e, src)
+        lo, hi = own_range(e, src)
         size = self.dtype.itemsize
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -691,4 +700,4 @@ class _FileSlice(_SavedSlice):
             pread_into(fd, raw, self.info.begin)
         finally:
             os.close(fd)
-        return _flat_of(e, raw.view(self.dtype).view(self.info.shape))[lo:hi].clone()
+        return flat_of(e, raw.view(self.dtype).view(self.info.shape))[lo:hi].clone()

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._options import DEFAULT_TIMEOUT
 from ._save import file_set, save_plan
-from .api import DEFAULT_TIMEOUT, all_ok
+from .api import all_ok
 from .checkpoint import load_full_state_dict, save_full_state_dict
 from .errors import CheckpointError, CollectiveError, ShardGatherError
 from .io import json_values

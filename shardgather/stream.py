@@ -25,19 +25,11 @@ from torch import nn
 
 from . import _layout as L
 from . import _node_local, _ops
-from ._collectives import BucketGathers, agree, bucket_parts
-from ._plan import Entry, GatherPlan, _memory_order_flat, build_plan
-from .api import (
-    DEFAULT_TIMEOUT,
-    _copy_local,
-    _my_buckets,
-    _use_gather,
-    _verify_options,
-    _verify_transport,
-    all_ok,
-    default_bucket_mb,
-    gather_plan,
-)
+from ._collectives import BucketGathers, agree, bucket_parts, my_buckets, use_gather
+from ._options import DEFAULT_TIMEOUT, default_bucket_mb, verify_options, verify_transport
+from ._pieces import copy_local
+from ._plan import Entry, GatherPlan, build_plan, memory_order_flat
+from .api import all_ok, gather_plan
 from .errors import CollectiveError
 
 _ALIGN = 64
@@ -80,8 +72,8 @@ class Gatherer:
         transport: str = "auto",
         pin_memory: bool = False,
     ) -> None:
-        _verify_options(model, bucket_mb, dtype)
-        _verify_transport(transport, pin_memory)
+        verify_options(model, bucket_mb, dtype)
+        verify_transport(transport, pin_memory)
         self.model, self.dtype, self.bucket_mb = model, dtype, bucket_mb
         self.pin_memory = pin_memory
         self.rank0_only, self.timeout, self.transport = rank0_only, timeout, transport
@@ -166,14 +158,14 @@ class Gatherer:
             self._slab = torch.empty(0, dtype=torch.uint8, device=device)
         receives = not self.rank0_only or plan.rank == 0
         bucket_mb = self.bucket_mb if self.bucket_mb is not None else default_bucket_mb(plan)
-        buckets = _my_buckets(plan, bucket_mb, self.rank0_only)
+        buckets = my_buckets(plan, bucket_mb, self.rank0_only)
         # One buffer pair: bucket k+1 is launched once bucket k is copied out, so the
         # gathered rows never outlive their copy-out.
         gathers = BucketGathers(
             buckets,
             lambda b: receives,
             timeout=self.timeout,
-            use_gather=_use_gather(buckets, self.rank0_only),
+            use_gather=use_gather(buckets, self.rank0_only),
             slots=1,
         )
         waited = 0  # buckets waited for; bucket `waited` is in flight if launched
@@ -187,7 +179,7 @@ class Gatherer:
                 for key, e in plan.entries.items():
                     if e.source.group is None:  # buffers, unsharded params: no gather
                         out = self._kept(e, owned)
-                        _copy_local(e.source.local(), e, out)
+                        copy_local(e.source.local(), e, out)
                         yield key, out
             by_source = plan.entries_by_source()
             dest: dict[str, torch.Tensor] = {}  # entries begun and not yet complete
@@ -297,7 +289,7 @@ class Gatherer:
                         dest[e.key], left[e.key] = self._spread_out(e, owned), e.numel
                     out = dest[e.key]
                 index[e.key] = len(fulls)
-                fulls.append(_memory_order_flat(out))
+                fulls.append(memory_order_flat(out))
                 if e.key in whole:
                     done.append((e.key, out))
             segs.append(p.segment.with_dst(index[e.key], p.start * e.target_dtype.itemsize))

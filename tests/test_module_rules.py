@@ -1,0 +1,21 @@
+"""Rules of the package's structure that reading alone would let slip."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "shardgather"
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    # Private *modules* are fine (`from ._plan import build_plan`); a private *name*
+    # imported across modules is a helper that should have a public name where it lives.
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module:
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        offences.append(f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}")
+    assert not offences, offences
