@@ -125,8 +125,15 @@ def test_copy_in_is_the_inverse_per_rank(world: int, dtype: str) -> None:
         ops.copy_in(fulls, table, row, rank)
         _reference.copy_in(fulls, table, ref, rank)
         assert torch.equal(row, ref)
-        # Padding is never written, so compare the unpadded part of the row.
-        assert torch.equal(row[0], shards[rank]) or rank == world - 1
+        # Every rank's row, the last (padded) one included: its elements are written and
+        # its padding, zero in both, is never touched.
+        assert torch.equal(row[0], shards[rank]), rank
+        # The same row pre-filled: the padding keeps its bytes.
+        pad_start = max(0, sum(numels) - rank * (shards.shape[1] // dt.itemsize)) * dt.itemsize
+        filled = torch.full_like(row, 0xAB)
+        ops.copy_in(fulls, table, filled, rank)
+        assert torch.equal(filled[0, :pad_start], shards[rank, :pad_start]), rank
+        assert bool((filled[0, pad_start:] == 0xAB).all()), rank
     whole = torch.zeros_like(shards)
     ops.copy_in(fulls, table, whole, 0)
     back = [torch.empty_like(f) for f in fulls]
@@ -190,15 +197,22 @@ def test_column_chunks_reassemble() -> None:
     assert all(torch.equal(a, b) for a, b in zip(out, fulls))
 
 
-def test_layout_twin_against_brute_force() -> None:
+def test_layout_twin_matches_the_compiled_rule() -> None:
+    """The Python twin of layout.h (row_of/col_of) against where the compiled kernel
+    actually reads each element: every shard element holds its own (row, col), so the
+    output names the position the kernel took it from."""
     rnd = random.Random(0)
     for _ in range(200):
         world, numel, base = rnd.randint(1, 6), rnd.randint(0, 50), rnd.randint(0, 20)
-        p = max(1, math.ceil((base + numel) / world))
-        pos = torch.arange(world * p).view(world, p)
-        for e in range(numel):
-            r, c = L.row_of(base, p, e), L.col_of(base, p, e)
-            assert pos[r, c] == base + e
+        p = max(1, math.ceil((base + numel) / world)) + rnd.randint(0, 3)
+        where = torch.arange(world * p, dtype=torch.float64).view(world, p)
+        where = where // p * 1000 + where % p  # value = row * 1000 + col
+        rows = where.view(torch.uint8).view(world, -1).contiguous()
+        seg = L.Segment(base, p, 0, numel, 0, 0, L.kind_of(torch.float64), L.F64)
+        out = [torch.full((numel,), -1.0, dtype=torch.float64)]
+        ops.copy_out(rows, 0, L.segment_table([seg]), out)
+        want = [L.row_of(base, p, e) * 1000 + L.col_of(base, p, e) for e in range(numel)]
+        assert out[0].tolist() == want, (world, numel, base, p)
 
 
 @pytest.mark.parametrize("op", ["copy_out", "copy_in"])
