@@ -412,7 +412,7 @@ def choose(
     """Whether to use the node-local transport; the same answer on every rank.
 
     Args:
-        transport: "auto" (node-local when possible), "shm"/"node" (required: warn and
+        transport: "auto" (node-local when possible), "node-local" (required: warn and
             fall back when impossible) or "collective".
         shm_bytes: bytes needed in /dev/shm (None: no shared memory needed).
     """

@@ -36,10 +36,24 @@ def verify_options(model: Any, bucket_mb: float | None, dtype: torch.dtype | Non
         raise ShardGatherError(f"dtype must be a floating-point torch.dtype or None, got {dtype}")
 
 
+TRANSPORTS = ("auto", "node-local", "collective")
+
+
 def verify_transport(transport: str, pin_memory: bool) -> None:
-    if transport not in ("auto", "shm", "collective"):
+    """``"node-local"``: each rank writes its own pieces to their final place (a shared
+    region or the file), required (warns once and falls back when impossible);
+    ``"collective"``: bucketed gathers to rank 0; ``"auto"``: node-local when possible.
+    ``"shm"`` is the old name of ``"node-local"`` (deprecated: it also meant "pwrite into
+    the file" for saves)."""
+    if transport == "shm":
+        import warnings
+
+        warnings.warn(
+            'transport="shm" is now transport="node-local"', DeprecationWarning, stacklevel=3
+        )
+    elif transport not in TRANSPORTS:
         raise ShardGatherError(
-            f"transport must be 'auto', 'shm' or 'collective', got {transport!r}"
+            f"transport must be 'auto', 'node-local' or 'collective', got {transport!r}"
         )
     if pin_memory and not torch.cuda.is_available():
         raise ShardGatherError("pin_memory=True needs CUDA (pinned memory is page-locked for DMA)")

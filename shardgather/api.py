@@ -74,7 +74,7 @@ def full_state_dict(
             it, freed with the last one; CUDA shards go through the copy-out kernel
             and a pinned slab per rank, so every GPU uses its own link); ranks on other
             hosts send only their pieces to rank 0. Otherwise bucketed collectives.
-            ``"shm"``: ask for the former (warns once and falls back when impossible,
+            ``"node-local"``: ask for the former (warns once and falls back when impossible,
             e.g. no memfd shareable and /dev/shm too small). ``"collective"``: always the
             latter.
 

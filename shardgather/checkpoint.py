@@ -97,7 +97,7 @@ def save_full_state_dict(
         transport: ``"auto"``: every rank on rank 0's host (the same filesystem)
             pwrites its own pieces into the file(s) in parallel, and ranks on other
             hosts send theirs to rank 0 point to point; ``"collective"``: rank 0 writes
-            what bucketed collectives bring it. ``"shm"`` asks for the former (warns once
+            what bucketed collectives bring it. ``"node-local"`` asks for the former (warns once
             and falls back).
         shared_filesystem: ``path`` is on a filesystem every host mounts (NFS,
             Lustre, GPFS...): ranks on other hosts then pwrite their own pieces into

@@ -663,7 +663,7 @@ def node_local_rank_dies(rank: int, world: int) -> dict:  # type: ignore[type-ar
 
         _pieces.write_pieces = die
     try:
-        sg.full_state_dict(model, transport="shm", timeout=datetime.timedelta(seconds=30))
+        sg.full_state_dict(model, transport="node-local", timeout=datetime.timedelta(seconds=30))
         raised = None
     except sg.ShardGatherError as exc:
         raised = type(exc).__name__
@@ -686,7 +686,7 @@ def shm_too_small(rank: int, world: int, memfd: bool) -> dict:  # type: ignore[t
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = sg.full_state_dict(model, transport="shm")
+        got = sg.full_state_dict(model, transport="node-local")
     msgs = [str(w.message) for w in caught if "node-local" in str(w.message)]
     if _forward.STATS["sent"] or _forward.STATS["received"]:
         msgs.append(f"one host, yet pieces travelled point to point: {_forward.STATS}")

@@ -19,3 +19,24 @@ def test_no_module_imports_another_modules_private_names() -> None:
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         offences.append(f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}")
     assert not offences, offences
+
+
+def test_transport_names_say_what_happens() -> None:
+    import warnings
+
+    import pytest
+    import torch
+
+    import shardgather as sg
+
+    model = torch.nn.Linear(3, 2)
+    want = model.state_dict()
+    for transport in ("auto", "node-local", "collective"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # current names: none
+            got = sg.full_state_dict(model, transport=transport)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.warns(DeprecationWarning, match="node-local"):
+        sg.full_state_dict(model, transport="shm")
+    with pytest.raises(sg.ShardGatherError, match="'auto', 'node-local' or 'collective'"):
+        sg.full_state_dict(model, transport="nccl")
