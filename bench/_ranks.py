@@ -64,3 +64,14 @@ def run_ranks(target: Callable[..., dict], world: int, *args: Any) -> list[dict]
     if errors:
         sys.exit("\n".join(errors))
     return per_rank
+
+
+def drop_caches() -> bool:
+    """Drop the page cache (root only); False when it could not be dropped."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False

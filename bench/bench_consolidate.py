@@ -30,20 +30,10 @@ import tempfile
 import time
 
 import torch
-from _ranks import run_ranks
+from _ranks import drop_caches, run_ranks
 
 MiB = 2**20
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def save_worker(rank: int, world: int, size_gb: float, directory: str) -> dict:
@@ -145,7 +135,7 @@ def main() -> None:
                     shutil.rmtree(outs[m])
                 elif os.path.exists(outs[m]):
                     os.unlink(outs[m])
-                cold = _drop_caches()
+                cold = drop_caches()
                 res = _run(m, src, outs[m])
                 if r == 0:
                     verified[m] = _check(m, outs[m], want)

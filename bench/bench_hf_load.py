@@ -26,22 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
+from _ranks import drop_caches, run_ranks
 
 from shardgather._memory import peak_rss_rise, trim
 from shardgather.testing import build_gpt
 
 MiB = 2**20
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _io() -> dict[str, int]:
@@ -98,7 +88,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, directory: str) -> d
                     (p.to_local() if hasattr(p, "to_local") else p).zero_()
             cold = [False]
             if rank == 0:
-                cold[0] = _drop_caches()
+                cold[0] = drop_caches()
             dist.broadcast_object_list(cold, src=0)
             trim()
             dist.barrier()

@@ -19,18 +19,9 @@ import threading
 import time
 
 import numpy as np
+from _ranks import drop_caches
 
 CHUNK = 64 * 2**20
-
-
-def _drop() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _readers(path: str, k: int) -> None:
@@ -86,7 +77,7 @@ def main() -> None:
         cold = False
         for r in range(args.repeats):
             for name in list(methods) if r % 2 == 0 else list(methods)[::-1]:
-                cold = _drop()
+                cold = drop_caches()
                 t = time.perf_counter()
                 methods[name](path)
                 times[name].append(time.perf_counter() - t)
