@@ -83,8 +83,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     import shardgather as sg
+    from shardgather._engine.sinks import file_set
     from shardgather._plan import build_plan
-    from shardgather._save import file_set
 
     faulthandler.dump_traceback_later(1200, exit=True)  # a hang ends the bench
     torch.manual_seed(0)

@@ -37,11 +37,11 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
     from bench_gather import _shard
 
     import shardgather as sg
-    from shardgather import _pieces
+    from shardgather._engine import run
     from shardgather.testing import build_gpt
 
     model = _shard(args.fsdp, build_gpt(args.size_gb), torch.device("cpu"), world)
-    real = _pieces.write_pieces
+    real = run.write_pieces
     spent: list[float] = []
 
     def timed(*a, **k):  # type: ignore[no-untyped-def]
@@ -49,7 +49,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, tmp: str) -> None:
         real(*a, **k)
         spent.append(time.perf_counter() - t)
 
-    _pieces.write_pieces = timed
+    run.write_pieces = timed
     for i in range(args.runs + 1):
         spent.clear()
         dist.barrier()

@@ -97,18 +97,23 @@ def _stream_methods(model: torch.nn.Module, args: argparse.Namespace, engine: di
         # and nothing consumed (engine left as is; not verified).
         import datetime as dt
 
-        from shardgather._collectives import BucketGathers, my_buckets
+        from shardgather._dist import Call, data_group
+        from shardgather._engine.buckets import my_buckets
+        from shardgather._engine.collective import BucketGathers
+        from shardgather._plan import build_plan
 
-        plan = gatherer._plan()
-        buckets = my_buckets(plan, args.bucket_mb, False)
-        gathers = BucketGathers(
-            buckets, lambda b: True, timeout=dt.timedelta(minutes=5), use_gather=False, slots=1
-        )
-        gathers.launch(0)
-        for i in range(len(buckets)):
-            gathers.wait(i)
-            if i + 1 < len(buckets):
-                gathers.launch(i + 1)
+        with Call("floor", dt.timedelta(minutes=5)) as call:
+            plan = build_plan(model)
+            call.round("plan", same=plan.fingerprint)
+            buckets = my_buckets(plan, args.bucket_mb, False)
+            gathers = BucketGathers(
+                call, buckets, lambda b: True, to_one=False, group=data_group(call), slots=1
+            )
+            gathers.launch(0)
+            for i in range(len(buckets)):
+                gathers.wait(i)
+                if i + 1 < len(buckets):
+                    gathers.launch(i + 1)
 
     return {
         "stream: floor: the same bucket gathers alone (no copy-out, no consumer)": transport_floor,

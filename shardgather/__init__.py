@@ -1,4 +1,13 @@
-"""shardgather: full, unwrapped state dicts from FSDP1/FSDP2 models, fast and memory-bounded."""
+"""shardgather: full, unwrapped state dicts from FSDP1/FSDP2 models, fast and memory-bounded.
+
+How it is built: every verb runs one engine — a **plan** (what each key of the full
+state dict is made of, from FSDP metadata: ``_plan``), a **transport** (how bytes move:
+each rank writing its own pieces to their final place — node-local — or buckets
+gathered through rank 0 — collective) and a **sink** (a host dict, files, a stream, or
+the shards of a model being loaded): ``_engine``. Every call agrees, fails and times
+out as one (``_dist``). The glossary of the words used throughout (source, entry,
+piece, chunk, bucket, part, segment, slab) is in ``shardgather._plan.types``.
+"""
 
 from __future__ import annotations
 
@@ -13,34 +22,42 @@ from .errors import (
     UnsupportedModelError,
 )
 
+__version__ = "0.1.0"
+
+from ._engine.staging import release as release_staging
+from ._options import Transport
+from .api import (
+    LoadResult,
+    full_optim_state_dict,
+    full_state_dict,
+    load_file,
+    load_full_optim_state_dict,
+    load_full_state_dict,
+    save_full_state_dict,
+)
+from .checkpoint import load_checkpoint, save_checkpoint
+from .stream import Gatherer, iter_full_tensors
+
 __all__ = [
     "BuildError",
     "CheckpointError",
     "CollectiveError",
+    "Gatherer",
+    "LoadResult",
     "ShardGatherError",
     "StateDictMismatchError",
+    "Transport",
     "UnsupportedModelError",
     "build_info",
     "clean_fqn",
+    "full_optim_state_dict",
+    "full_state_dict",
+    "iter_full_tensors",
+    "load_checkpoint",
+    "load_file",
+    "load_full_optim_state_dict",
+    "load_full_state_dict",
+    "release_staging",
+    "save_checkpoint",
+    "save_full_state_dict",
 ]
-__version__ = "0.1.0"
-
-from .api import full_state_dict
-
-__all__ += ["full_state_dict"]
-
-from .checkpoint import LoadResult, load_file, load_full_state_dict, save_full_state_dict  # noqa: E402
-
-__all__ += ["LoadResult", "load_file", "load_full_state_dict", "save_full_state_dict"]
-
-from .optim import full_optim_state_dict, load_full_optim_state_dict  # noqa: E402
-
-__all__ += ["full_optim_state_dict", "load_full_optim_state_dict"]
-
-from .resume import load_checkpoint, save_checkpoint  # noqa: E402
-
-__all__ += ["load_checkpoint", "save_checkpoint"]
-
-from .stream import Gatherer, iter_full_tensors  # noqa: E402
-
-__all__ += ["Gatherer", "iter_full_tensors"]

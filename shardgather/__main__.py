@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from ._fqn import FLAT_PARAM_COMPONENTS, clean_fqn, has_wrapper_components
-from ._save import lay_out, write_alone
 from .errors import CheckpointError, ShardGatherError
+from .io.file_set import lay_out, write_alone
 from .io.hf_layout import INDEX_SUFFIX, open_sources, safetensors_files
 from .io.publish import publish_file
 from .io.safetensors_format import (
@@ -46,7 +46,7 @@ def _is_safetensors(path: str) -> bool:
 
 
 def _torch_state_dict(path: str) -> dict[str, torch.Tensor]:
-    from .checkpoint import read_torch_file
+    from .io.sources import read_torch_file
 
     return read_torch_file(path, clean=False)
 
@@ -178,7 +178,7 @@ def cmd_clean_keys(src: str, out: str) -> int:
             raise
     else:
         if src_st:
-            from .checkpoint import load_file
+            from .api import load_file
 
             sd = load_file(src)
         else:

@@ -1,62 +1,117 @@
-"""Call options shared by every verb: defaults, validation, the progress bar."""
+"""The options every verb takes, validated once (one dataclass), and the progress bar."""
 
 from __future__ import annotations
 
 import datetime
+import enum
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._plan import GatherPlan
 from .errors import ShardGatherError
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
 
 CPU_BUCKET_MB = 16
 CUDA_BUCKET_MB = 256
 
 
-def default_bucket_mb(plan: GatherPlan) -> float:
-    """16 MiB when every gathered source lives on the CPU, else 256 MiB."""
-    on_cuda = any(s.group is not None and s.local().is_cuda for s in plan.sources)
-    return CUDA_BUCKET_MB if on_cuda else CPU_BUCKET_MB
+class Transport(str, enum.Enum):
+    """How bytes move between ranks. Valid for every verb:
+
+    - ``"node-local"``: each rank moves its own bytes to their final place — writes its
+      pieces into the shared output region or into the file (gather, save), reads its
+      own elements from the file or its own dict (load). Ranks on other hosts than
+      rank 0's send their pieces to rank 0.
+    - ``"collective"``: through rank 0 — bucketed gathers to rank 0 (gather, save, the
+      stream), or rank 0 sending every rank its elements (load: for a file only rank 0
+      can read, or a dict only rank 0 holds).
+    - ``"auto"``: node-local where it can run, else collective.
+    """
+
+    AUTO = "auto"
+    NODE_LOCAL = "node-local"
+    COLLECTIVE = "collective"
 
 
-def verify_options(model: Any, bucket_mb: float | None, dtype: torch.dtype | None) -> None:
+def transport_of(value: Any) -> Transport:
+    if value == "shm":
+        warnings.warn(
+            'transport="shm" is now transport="node-local"', DeprecationWarning, stacklevel=4
+        )
+        return Transport.NODE_LOCAL
+    try:
+        return Transport(value)
+    except ValueError:
+        raise ShardGatherError(
+            f"transport must be 'auto', 'node-local' or 'collective', got {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Options:
+    """One call's options (validated on construction).
+
+    Attributes:
+        dtype: cast floating-point entries to this dtype (None: keep).
+        bucket_mb: MiB per bucket / message (None: 16 on CPU, 256 on CUDA).
+        rank0_only: only global rank 0 receives (gathers).
+        pin_memory: outputs in pinned host memory (CUDA).
+        progress: a tqdm bar of bytes on the receiving rank(s).
+        timeout: the longest any wait of the call may last.
+        transport: see :class:`Transport`.
+        shared_filesystem: every host sees the output path (saves: every rank writes).
+    """
+
+    dtype: torch.dtype | None = None
+    bucket_mb: float | None = None
+    rank0_only: bool = True
+    pin_memory: bool = False
+    progress: bool = False
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    transport: Transport = Transport.AUTO
+    shared_filesystem: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb is not None and not (
+            isinstance(self.bucket_mb, (int, float)) and self.bucket_mb > 0
+        ):
+            raise ShardGatherError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.dtype is not None and not (
+            isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point
+        ):
+            raise ShardGatherError(
+                f"dtype must be a floating-point torch.dtype or None, got {self.dtype}"
+            )
+        if not isinstance(self.timeout, datetime.timedelta) or self.timeout.total_seconds() <= 0:
+            raise ShardGatherError(
+                f"timeout must be a positive datetime.timedelta, got {self.timeout!r}"
+            )
+        object.__setattr__(self, "transport", transport_of(self.transport))
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ShardGatherError(
+                "pin_memory=True needs CUDA (pinned memory is page-locked for DMA)"
+            )
+
+    def bucket_bytes(self, on_cuda: bool) -> int:
+        mb = (
+            self.bucket_mb
+            if self.bucket_mb is not None
+            else (CUDA_BUCKET_MB if on_cuda else CPU_BUCKET_MB)
+        )
+        return int(mb * 2**20)
+
+
+def check_model(model: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ShardGatherError(
             f"expected an nn.Module (plain, DDP, torch.compile'd, FSDP1 or FSDP2), got "
             f"{type(model).__name__}"
         )
-    if bucket_mb is not None and not bucket_mb > 0:
-        raise ShardGatherError(f"bucket_mb must be > 0, got {bucket_mb}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ShardGatherError(f"dtype must be a floating-point torch.dtype or None, got {dtype}")
-
-
-TRANSPORTS = ("auto", "node-local", "collective")
-
-
-def verify_transport(transport: str, pin_memory: bool) -> None:
-    """``"node-local"``: each rank writes its own pieces to their final place (a shared
-    region or the file), required (warns once and falls back when impossible);
-    ``"collective"``: bucketed gathers to rank 0; ``"auto"``: node-local when possible.
-    ``"shm"`` is the old name of ``"node-local"`` (deprecated: it also meant "pwrite into
-    the file" for saves)."""
-    if transport == "shm":
-        import warnings
-
-        warnings.warn(
-            'transport="shm" is now transport="node-local"', DeprecationWarning, stacklevel=3
-        )
-    elif transport not in TRANSPORTS:
-        raise ShardGatherError(
-            f"transport must be 'auto', 'node-local' or 'collective', got {transport!r}"
-        )
-    if pin_memory and not torch.cuda.is_available():
-        raise ShardGatherError("pin_memory=True needs CUDA (pinned memory is page-locked for DMA)")
+    return model
 
 
 class Progress:

@@ -1,39 +1,33 @@
-"""The public entry points: full_state_dict (and, in io/, save/load)."""
+"""The public verbs on state dicts: gather, save, load — model and optimizer state.
+
+Each verb validates its options, builds the plan and hands both to the engine
+(``_engine.run.gather`` or the load path of ``_engine.load``), all inside one
+:class:`~shardgather._dist.Call`: a failure on any rank raises on every rank.
+"""
 
 from __future__ import annotations
 
 import datetime
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from . import _layout as L
-from . import _node_local, _ops, _staging
-from ._collectives import (
-    agree,
-    bucket_parts,
-    gather_buckets,
-    my_buckets,
-    receiving,
-    use_gather,
-)
-from ._options import DEFAULT_TIMEOUT, Progress, default_bucket_mb, verify_options, verify_transport
-from ._pieces import copy_local
-from ._plan import GatherPlan, build_plan, memory_order_flat
+from ._dist import Call
+from ._engine import load as L
+from ._engine import run
+from ._engine.sinks import Files, HostDict, file_set
+from ._options import DEFAULT_TIMEOUT, Options, check_model
+from ._plan import GatherPlan, build_plan, reshard_for_load
+from ._plan import optim as O
+from .errors import CheckpointError, ShardGatherError
+from .io.hf_layout import KeyMap, extra_files, map_keys, parse_size
+from .io.safetensors_format import read_header
+from .io.sources import open_path, renamed_dict
 
-
-def all_ok(ok: bool, message: str) -> list[str]:
-    """Every rank's failure message (empty when all succeeded). Best effort when a rank died."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [] if ok else [message]
-    out: list[Any] = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(out, (ok, message))
-    except Exception as exc:
-        return [f"a rank is unreachable ({exc})"]
-    return [f"rank {r}: {m}" for r, (o, m) in enumerate(out) if not o]
+LoadResult = L.LoadResult
 
 
 def full_state_dict(
@@ -66,17 +60,17 @@ def full_state_dict(
             pipeline, measured in bench/), 256 on CUDA.
         pin_memory: return pinned tensors (fast later host-to-device copies).
         progress: show a tqdm bar of bytes on the receiving rank(s).
-        timeout: per-collective timeout; a failed or missing rank raises instead of
-            hanging.
+        timeout: the longest any wait may last: a failed, dead or stuck rank makes
+            every rank raise within it, instead of hanging.
         transport: ``"auto"`` (with ``rank0_only`` and without ``pin_memory``): each
             rank on rank 0's host writes its own pieces straight into one shared-memory
             region per dtype that becomes the output (the output tensors are views of
             it, freed with the last one; CUDA shards go through the copy-out kernel
             and a pinned slab per rank, so every GPU uses its own link); ranks on other
             hosts send only their pieces to rank 0. Otherwise bucketed collectives.
-            ``"node-local"``: ask for the former (warns once and falls back when impossible,
-            e.g. no memfd shareable and /dev/shm too small). ``"collective"``: always the
-            latter.
+            ``"node-local"``: ask for the former (warns once and falls back when
+            impossible, e.g. no memfd shareable and /dev/shm too small).
+            ``"collective"``: always the latter.
 
     Returns:
         ``dict[str, Tensor]``: CPU tensors with the plain model's shapes and strides.
@@ -84,144 +78,404 @@ def full_state_dict(
     Raises:
         ShardGatherError: bad arguments.
         UnsupportedModelError: tensor-parallel or non-dim-0 sharded parameters.
-        CollectiveError: ranks disagree about the model, or a collective failed.
+        CollectiveError: ranks disagree about the model, or a rank failed, died or is
+            stuck (named in the message).
 
     Example:
         >>> sd = shardgather.full_state_dict(fsdp_model)   # on every rank
         >>> if dist.get_rank() == 0:
         ...     plain_model.load_state_dict(sd)
     """
-    verify_options(model, bucket_mb, dtype)
-    verify_transport(transport, pin_memory)
-    plan = build_plan(model, dtype=dtype)
-    agree(plan, timeout)
-    outputs = gather_plan(
-        plan,
-        rank0_only=rank0_only,
-        bucket_mb=bucket_mb,
-        pin_memory=pin_memory,
-        progress=progress,
-        timeout=timeout,
-        transport=transport,
-    )
+    with Call("full_state_dict", timeout) as call:
+        opts = Options(
+            dtype=dtype,
+            bucket_mb=bucket_mb,
+            rank0_only=rank0_only,
+            pin_memory=pin_memory,
+            progress=progress,
+            timeout=timeout,
+            transport=transport,
+        )
+        plan = build_plan(check_model(model), dtype=dtype)
+        receives = not rank0_only or call.rank == 0
+        sink = HostDict(plan, receives=receives, pin_memory=pin_memory)
+        outputs = run.gather(call, plan, sink, opts)
+    return with_aliases(plan, outputs)
+
+
+def with_aliases(plan: GatherPlan, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Every key of the plan, in order, tied aliases sharing their primary's tensor."""
     if outputs is None:
         return {}
     return {k: outputs[plan.aliases.get(k, k)] for k in plan.keys}
 
 
-def gather_plan(
-    plan: GatherPlan,
+def save_full_state_dict(
+    model: nn.Module,
+    path: str | os.PathLike,
     *,
-    rank0_only: bool,
-    bucket_mb: float | None,
-    pin_memory: bool = False,
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+    max_shard_size: int | str | None = None,
+    files: Mapping[str, Any] | None = None,
+    key_map: KeyMap | None = None,
+    bucket_mb: float | None = None,
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
-    outputs: dict[str, torch.Tensor] | None = None,
-    held: _node_local.HeldRegions | None = None,
-) -> dict[str, torch.Tensor] | None:
-    """The engine: every primary entry of an agreed plan, gathered; None where this rank
-    receives nothing. Model and optimizer state share it. Reuse (a Gatherer's): ``held``
-    keeps the node-local regions open for the next call; ``outputs``, the previous
-    call's tensors (same plan), are written again on the collective path."""
-    bucket_mb = bucket_mb if bucket_mb is not None else default_bucket_mb(plan)
-    if not pin_memory and _node_local.choose(
-        plan,
-        transport,
-        rank0_only,
-        need_contiguous=False,
-        shm_bytes=sum(_node_local.shm_layout(plan)[1].values()),
-    ):
-        return _node_local.gather_to_shm(
-            plan,
-            lambda i: 0 in plan.sources[i].group_ranks,
-            copy_local,
-            timeout,
-            all_ok,
-            message_bytes=int(bucket_mb * 2**20),
-            held=held,
-        )
-    if held is not None:
-        held.close()  # regions of an earlier node-local call: not written any more
-    receives = receiving(plan, rank0_only)
-    if outputs is None:
-        outputs = {}
-        if receives:
-            for key, e in plan.entries.items():
-                outputs[key] = torch.empty_strided(
-                    tuple(e.shape), e.stride, dtype=e.target_dtype, pin_memory=pin_memory
-                )
-    total = sum(e.nbytes for e in plan.entries.values())
-    bar = Progress(progress and receives, total, "shardgather: gather")
-    try:
-        if receives:
-            for key, e in plan.entries.items():
-                if e.source.group is None:
-                    copy_local(e.source.local(), e, outputs[key])
-                    bar.update(e.nbytes)
-        buckets = my_buckets(plan, bucket_mb, rank0_only)
-        by_source = plan.entries_by_source()
-        slot = 0
-        for bucket, rows in gather_buckets(
-            buckets,
-            lambda b: receives,
-            timeout=timeout,
-            use_gather=use_gather(buckets, rank0_only),
-        ):
-            if rows is None:
-                continue
-            parts = bucket_parts(bucket, by_source)
-            if rows.is_cuda:
-                _copy_out_cuda(rows, parts, outputs, slot)
-                slot ^= 1
-            else:
-                _copy_out_direct(rows, parts, outputs)
-            bar.update(sum(p.numel * p.entry.target_dtype.itemsize for p in parts))
-    finally:
-        bar.close()
-    return outputs if receives else None
-
-
-def _copy_out_direct(rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tensor]) -> None:
-    """One copy_out call per bucket, straight into the output tensors (CPU outputs from
-    CPU rows; pinned outputs, through their mapped addresses, from CUDA rows)."""
-    fulls: list[torch.Tensor] = []
-    index: dict[str, int] = {}
-    segs: list[L.Segment] = []
-    for p in parts:
-        if p.entry.key not in index:
-            index[p.entry.key] = len(fulls)
-            fulls.append(memory_order_flat(outputs[p.entry.key]))
-        segs.append(p.segment.with_dst(index[p.entry.key], p.start * p.entry.target_dtype.itemsize))
-    _ops.copy_out(rows, 0, L.segment_table(segs), fulls)
-
-
-def _copy_out_cuda(
-    rows: torch.Tensor, parts: list, outputs: dict[str, torch.Tensor], slot: int
+    shared_filesystem: bool = False,
 ) -> None:
-    """Device rows -> (kernel, writing mapped pinned memory) -> outputs.
+    """Write the full, unwrapped state dict to one safetensors file, or to the sharded
+    directory Hugging Face's ``save_pretrained`` writes, streaming.
 
-    Pinned outputs are written directly; pageable ones through a reused pinned slab
-    and a host memcpy once the kernel is done.
+    Call on every rank. No rank ever holds the whole model: peak extra host memory is
+    about two buckets. Tied tensors are stored once (as transformers stores them) and
+    their aliases recorded in the header metadata (``shardgather.aliases``) of the file
+    holding the tensor, which :func:`load_file` and :func:`load_full_state_dict`
+    restore. Everything is written under a temporary name beside ``path``, fsync'ed by
+    every rank that wrote, and renamed in one step: a failure on any rank leaves
+    ``path`` as it was (and no temporary behind), and every rank raises.
+
+    Args:
+        model: as for :func:`shardgather.full_state_dict`.
+        path: the ``.safetensors`` file to create (replaced if it exists) or, with
+            ``max_shard_size``, the directory.
+        dtype: cast floating-point tensors (e.g. ``torch.bfloat16`` to ship a model).
+        metadata: extra ``str -> str`` header metadata (in every file).
+        max_shard_size: write ``path`` as a Hugging Face directory: files of at most this
+            many bytes (``int``, or ``"5GB"`` = 5 * 10**9 as transformers reads it, or
+            ``"4GiB"``), split at tensor boundaries in the model's order (a larger
+            tensor gets a file of its own), named ``model-00001-of-0000N.safetensors``,
+            with ``model.safetensors.index.json`` (``total_size``, ``weight_map``); one
+            file is ``model.safetensors`` with no index, as transformers does. An
+            existing directory keeps its other files (``config.json``, tokenizer...);
+            its ``*.safetensors`` and indexes are replaced.
+        files: with ``max_shard_size``, extra files for the directory, by name:
+            ``bytes``/``str`` content, a dict (written as JSON, e.g. ``config.to_dict()``)
+            or an ``os.PathLike`` to copy. Rank 0's values are written.
+        key_map: the names to store under, from the model's: ``{model_prefix:
+            file_prefix}`` (longest prefix wins; e.g. ``{"": "model."}``) or a callable
+            from a model key to a file key. The same direction as ``load_full_state_dict``'s
+            (from where the tensors come to where they go).
+        bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
+        transport: ``"auto"``: every rank on rank 0's host (the same filesystem)
+            pwrites its own pieces into the file(s) in parallel, and ranks on other
+            hosts send theirs to rank 0 point to point; ``"collective"``: rank 0 writes
+            what bucketed collectives bring it. ``"node-local"`` asks for the former
+            (warns once and falls back).
+        shared_filesystem: ``path`` is on a filesystem every host mounts (NFS,
+            Lustre, GPFS...): ranks on other hosts then pwrite their own pieces into
+            the file too, instead of sending them to rank 0.
+
+    Raises:
+        ShardGatherError: bad arguments; CheckpointError: rank 0 cannot create the
+        output; CollectiveError: a rank failed, died or is stuck.
+
+    Example:
+        >>> shardgather.save_full_state_dict(model, "model.safetensors", dtype=torch.bfloat16)
+        >>> shardgather.save_full_state_dict(            # a from_pretrained-able directory
+        ...     model, "out/llama", max_shard_size="5GB", key_map={"": "model."},
+        ...     files={"config.json": hf_config.to_dict()})
     """
-    if all(outputs[p.entry.key].is_pinned() for p in parts):
-        _copy_out_direct(rows, parts, outputs)
-        torch.cuda.current_stream(rows.device).synchronize()
-        return
-    sizes = [p.numel * p.entry.target_dtype.itemsize for p in parts]
-    staging = _staging.slab(slot, sum(sizes) + 16 * len(parts))
-    segs = []
-    offsets = []
-    off = 0
-    for p, n in zip(parts, sizes):
-        off = (off + 15) // 16 * 16
-        offsets.append(off)
-        segs.append(p.segment.with_dst(0, off))
-        off += n
-    _ops.copy_out(rows, 0, L.segment_table(segs), [staging])
-    torch.cuda.current_stream(rows.device).synchronize()
-    for p, n, o in zip(parts, sizes, offsets):
-        out = memory_order_flat(outputs[p.entry.key]).view(torch.uint8)
-        b = p.start * p.entry.target_dtype.itemsize
-        out[b : b + n].copy_(staging[o : o + n])
+    with Call("save_full_state_dict", timeout) as call:
+        opts = Options(
+            dtype=dtype,
+            bucket_mb=bucket_mb,
+            progress=progress,
+            timeout=timeout,
+            transport=transport,
+            shared_filesystem=shared_filesystem,
+        )
+        plan = build_plan(check_model(model), dtype=dtype)
+        fs = file_set(plan, path, **_file_options(plan, metadata, max_shard_size, files, key_map))
+        run.gather(call, plan, Files(fs, what="save_full_state_dict"), opts)
+
+
+def _file_options(
+    plan: GatherPlan,
+    metadata: dict[str, str] | None,
+    max_shard_size: int | str | None,
+    files: Mapping[str, Any] | None,
+    key_map: KeyMap | None,
+) -> dict[str, Any]:
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise ShardGatherError("metadata must be a dict of str -> str (safetensors' rule)")
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    if files and shard_bytes is None:
+        raise ShardGatherError(
+            "files= are written into a directory: pass max_shard_size= (e.g. '5GB') too"
+        )
+    return {
+        "metadata": metadata,
+        "stored_names": _stored_names(plan, key_map),
+        "max_shard_size": shard_bytes,
+        "files": extra_files(files),
+    }
+
+
+def _stored_names(plan: GatherPlan, key_map: KeyMap | None) -> dict[str, str] | None:
+    """model key -> key in the file; every key must keep a name."""
+    if key_map is None:
+        return None
+    to_model = map_keys(plan.keys, key_map, into="file's")  # file key -> model key
+    if len(to_model) != len(plan.keys):
+        dropped = sorted(set(plan.keys) - set(to_model.values()))
+        raise ShardGatherError(
+            f"key_map drops the model's {dropped[:5]}: a saved checkpoint stores every key "
+            "(to leave tensors out, save a plain state dict with safetensors)"
+        )
+    return {m: f for f, m in to_model.items()}
+
+
+# ---------------------------------------------------------------------------------- load
+
+
+def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a safetensors file into a dict, restoring tied aliases as shared tensors.
+
+    Example:
+        >>> plain_model.load_state_dict(shardgather.load_file("model.safetensors"))
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file as st_load
+
+    header = read_header(path)  # the whole header validated before any data is read
+    try:
+        sd = st_load(os.fspath(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{os.fspath(path)}: cannot be read ({exc})") from None
+    for alias, key in header.aliases.items():
+        sd[alias] = sd[key]
+    return sd
+
+
+def load_full_state_dict(
+    model: nn.Module,
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    bucket_mb: float = 64,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    key_map: KeyMap | None = None,
+    transport: str = "auto",
+) -> LoadResult:
+    """Load a full state dict into a (sharded) model, in place, each rank taking only
+    its own elements.
+
+    From safetensors — one file, or a Hugging Face directory of shard files with its
+    ``model.safetensors.index.json`` — or a DCP directory, every rank preads only the
+    byte ranges of its own shards (plus the small tensors every rank holds in full,
+    such as buffers) and the copy-in op writes them (cast where the source holds
+    another float dtype) into its shard storage; a torch file is memory-mapped, so only
+    the pages of a rank's own elements are read; a dict is used where it is. When only
+    rank 0 holds the source (a dict, ``{}`` elsewhere, or a file on rank 0's own disk),
+    rank 0 sends each rank just its own elements of each tensor, one tensor at a time.
+    No all-gather. Keys and shapes are validated on every rank first: on a mismatch
+    nothing is modified.
+
+    Args:
+        model: plain, DDP, FSDP1 or FSDP2 model (the same kinds as full_state_dict).
+        source: a ``.safetensors`` path (e.g. from :func:`save_full_state_dict`), a
+            directory ``save_pretrained`` wrote (sharded or not) or its index file, a
+            ``torch.distributed.checkpoint`` directory, a ``torch.save`` file
+            (``.pt``/``.bin``; a nested ``state_dict``/``model`` dict is found; wrapped
+            key names are cleaned), or a dict of full tensors.
+        strict: raise on missing/unexpected keys; False loads the intersection.
+        bucket_mb: staging buffer size for file reads that cast.
+        timeout: as for :func:`shardgather.full_state_dict`.
+        key_map: the source's names -> the model's, applied before validation:
+            ``{source_prefix: model_prefix}`` (e.g. ``{"model.": ""}`` to load a causal
+            LM's file into its inner model) or a callable (None drops a key).
+        transport: ``"auto"``: every rank reads its own elements where it can see the
+            source, else rank 0 sends them; ``"node-local"`` requires the former;
+            ``"collective"`` always has rank 0 send.
+
+    Returns:
+        ``LoadResult(missing_keys, unexpected_keys)`` (clean names).
+
+    Raises:
+        CheckpointError: missing, truncated, corrupt or unsupported file.
+        StateDictMismatchError: keys (strict), shapes or non-castable dtypes differ.
+    """
+    with Call("load_full_state_dict", timeout) as call:
+        opts = Options(bucket_mb=bucket_mb, timeout=timeout, transport=transport)
+        if not isinstance(source, (str, os.PathLike, Mapping)):
+            raise ShardGatherError(
+                f"source must be a file path or a dict of tensors, got {type(source).__name__}"
+            )
+        reshard_for_load(check_model(model))  # else a forward after an evaluation ignores it
+        plan = build_plan(model)
+        what, src, renamed = _open_source(call, source, key_map)
+        loading = L.Loading(plan, src)
+        shapes = src.shapes() if loading.has else None
+        result = None
+        if shapes is not None:
+            result = L.validate(plan, shapes, strict, what, renamed)
+            loading.take(shapes)
+            if opts.transport != "collective":
+                try:
+                    src.locate_own(plan, loading.keys)  # type: ignore[union-attr]
+                except CheckpointError as exc:
+                    raise CheckpointError(
+                        f"load_full_state_dict({what!r}): nothing was loaded: {exc}"
+                    ) from None
+        agreed = L.plan_round(call, plan, loading.has, opts, extra=shapes)
+        if shapes is None:  # this rank holds nothing: rank 0 validated what it sends
+            shapes = agreed.rank0_extra
+            result = L.validate(plan, shapes, strict, what, renamed)
+            loading.take(shapes)
+        L.move(call, [loading], agreed, opts)
+        call.round("done")
+    assert result is not None
+    return result
+
+
+def _open_source(
+    call: Call, source: str | os.PathLike | Mapping[str, torch.Tensor], key_map: KeyMap | None
+) -> tuple[str, L.Source | None, dict[str, str]]:
+    """(what to call it in errors, this rank's view of it or None, renames made)."""
+    if isinstance(source, Mapping):
+        return "the state dict", L.DictSource(renamed_dict(source, key_map)), {}
+    path = os.fspath(source)
+    if call.rank != 0 and not os.path.exists(path):
+        return path, None, {}  # rank 0 sends this rank its elements
+    tensors, renamed = open_path(path, key_map)
+    first = next(iter(tensors.values()), None)
+    if first is None or isinstance(first, torch.Tensor):
+        return path, L.DictSource(tensors), renamed  # type: ignore[arg-type]
+    return path, L.StoredSource(tensors, path), renamed  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------ optimizer state
+
+
+def full_optim_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank0_only: bool = True,
+    bucket_mb: float | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> dict[str, Any]:
+    """The full optimizer state, keyed by the plain model's parameter names.
+
+    Call on every rank. State tensors (``exp_avg``, ``momentum_buffer``...) are
+    gathered like their parameters (same plan, buckets and kernels); scalars such as
+    ``step`` are taken as they are. FSDP1 flat parameters are split back into the
+    original parameters.
+
+    Args:
+        model, optimizer: the (sharded) model and the optimizer built on its parameters.
+        rank0_only: only global rank 0 gets the dict (others ``{}``).
+        bucket_mb, timeout, transport: as for :func:`shardgather.full_state_dict`.
+
+    Returns:
+        ``{"state": {name: {state: value}}, "param_groups": [{..., "params": [name]}]}``.
+
+    Example:
+        >>> osd = shardgather.full_optim_state_dict(model, optimizer)
+    """
+    with Call("full_optim_state_dict", timeout) as call:
+        opts = Options(
+            bucket_mb=bucket_mb, rank0_only=rank0_only, timeout=timeout, transport=transport
+        )
+        st = state_plan(call, check_model(model), optimizer)
+        receives = not rank0_only or call.rank == 0
+        gathered = run.gather(call, st.plan, HostDict(st.plan, receives=receives), opts)
+    return st.assemble(gathered) if gathered is not None else {}
+
+
+def state_plan(call: Call, model: nn.Module, optimizer: torch.optim.Optimizer) -> O.StatePlan:
+    """The optimizer state's gather plan: every rank's description of the states it
+    holds, merged (one round), then the same plan everywhere."""
+    plan = build_plan(model)
+    groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
+    mine = O.local_meta([r for g in groups for r in g], optimizer)
+    every = call.round("optimizer state", same=plan.fingerprint, payload=mine, gather="all")
+    return O.gather_state_plan(plan, groups, O.merge_meta(every), optimizer)
+
+
+def load_full_optim_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    osd: dict[str, Any],
+    *,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> None:
+    """Load a full optimizer state (from :func:`full_optim_state_dict`, any world size
+    or FSDP flavour) into ``optimizer``: each rank keeps only its shard of every state
+    tensor. ``osd`` on every rank, or on rank 0 only (``{}`` elsewhere): then rank 0
+    sends every rank just its own elements of each state tensor, one tensor at a time,
+    in an order every rank knows up front (scalars and groups travel with the plan
+    round). The optimizer changes only once every rank has its state.
+
+    Raises:
+        StateDictMismatchError: the param groups or parameter names do not match;
+            nothing is loaded.
+    """
+    with Call("load_full_optim_state_dict", timeout) as call:
+        opts = Options(timeout=timeout, transport=transport)
+        plan = build_plan(check_model(model))
+        groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
+        skeleton = None
+        source: L.DictSource | None = None
+        if osd:
+            skeleton, tensors = _optim_skeleton(plan, groups, osd)
+            source = L.DictSource(tensors)
+        agreed = L.plan_round(call, plan, source is not None, opts, extra=skeleton)
+        param_groups, scalars, elements = skeleton if skeleton is not None else agreed.rank0_extra
+        load_plan, rows = O.load_state_plan(plan, groups, elements)
+        state = L.Loading(load_plan, source)
+        state.take(_element_shapes(plan, elements))
+        L.move(call, [state], agreed, opts)
+        call.round("done")
+        loaded = O.LoadedState(rows, scalars, elements, param_groups)
+        optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded))
+
+
+def _element_shapes(
+    plan: GatherPlan, elements: Mapping[str, Mapping[str, torch.dtype]]
+) -> L.Shapes:
+    """The optimizer-state plan's entries as a source describes them."""
+    return {
+        f"{name}/{key}": (tuple(plan.entries[key].shape), dtype)
+        for key, names in elements.items()
+        for name, dtype in names.items()
+    }
+
+
+def _optim_skeleton(
+    plan: GatherPlan, groups: list[list[O.ParamRef]], osd: dict[str, Any]
+) -> tuple[
+    tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, torch.dtype]]],
+    dict[str, torch.Tensor],
+]:
+    """(param groups, scalars, element-wise dtypes) and the element-wise tensors of a
+    full optimizer state dict, checked against the optimizer."""
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ShardGatherError(
+            "osd must be a dict with 'state' and 'param_groups' "
+            "(from shardgather.full_optim_state_dict)"
+        )
+    O.check_groups(groups, osd["param_groups"])
+    scalars: dict[str, dict[str, Any]] = {}
+    elements: dict[str, dict[str, torch.dtype]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for key, st in osd["state"].items():
+        e = plan.entries.get(key)
+        for name, v in st.items():
+            if (
+                e is not None
+                and isinstance(v, torch.Tensor)
+                and v.dim() > 0
+                and tuple(v.shape) == tuple(e.shape)
+            ):
+                elements.setdefault(key, {})[name] = v.dtype
+                tensors[f"{name}/{key}"] = v
+            else:
+                scalars.setdefault(key, {})[name] = v
+    return (osd["param_groups"], scalars, elements), tensors

@@ -7,12 +7,14 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardgather as sg
 
 from . import dist_harness
+from .builders import build, io_read_bytes
 from .compare import diff_state_dicts
-from .models import TinyLM
+from .models import TinyLM, train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -37,12 +39,240 @@ ROUND_TRIPS = {
 }
 
 
+def save_then_load(
+    rank: int,
+    world: int,
+    path: str,
+    save_kind: str,
+    load_kind: str,
+    dtype: torch.dtype | None = None,
+    small_bucket: bool = False,
+    transport: str = "auto",
+) -> dict:  # type: ignore[type-arg]
+    """Save from one configuration (seed 0, trained), load into another (seed 1), and
+    compare what the loaded model gathers with what was saved."""
+    saved, _ = build(save_kind, world, seed=0)
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1)
+    train_steps(saved, rank, 1, opt)
+    want = sg.full_state_dict(saved)
+    sg.save_full_state_dict(
+        saved,
+        path,
+        dtype=dtype,
+        metadata={"step": "1"},
+        bucket_mb=0.001 if small_bucket else None,
+        transport=transport,
+    )
+    problems: list[str] = []
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        raw = load_file(path)  # safetensors itself reads it
+        file_sd = sg.load_file(path)
+        want_file = {
+            k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+            for k, v in want.items()
+        }
+        problems += ["file: " + p for p in diff_state_dicts(file_sd, want_file, order=False)]
+        if "lm_head.weight" in raw:
+            problems.append("tied weight stored twice")
+    loaded, _ = build(load_kind, world, seed=1)
+    res = sg.load_full_state_dict(loaded, path)
+    got = sg.full_state_dict(loaded)
+    if rank == 0:
+        expect = (
+            want
+            if dtype is None
+            else {
+                k: (v.to(dtype).to(v.dtype) if v.is_floating_point() else v)
+                for k, v in want.items()
+            }
+        )
+        problems += ["loaded: " + p for p in diff_state_dicts(got, expect, order=False)]
+        problems += [f"unexpected result {res}"] if res.missing_keys or res.unexpected_keys else []
+    # The loaded model trains.
+    train_steps(loaded, rank, 1, torch.optim.SGD(loaded.parameters(), lr=0.1))
+    return {"problems": problems}
+
+
+def load_errors(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """Bad files and mismatches raise clear errors and modify nothing."""
+    import os
+
+    model, _ = build("fsdp1", world, seed=0)
+    before = sg.full_state_dict(model, rank0_only=False)
+    out: dict = {}
+    torch.manual_seed(3)
+    sg.save_full_state_dict(TinyLM(n_layers=4), path)  # blocks.3.* are unexpected
+    for name, fn in {
+        "unexpected_key": lambda: sg.load_full_state_dict(model, path),
+        "missing_file": lambda: sg.load_full_state_dict(model, path + ".nope"),
+    }.items():
+        try:
+            fn()
+            out[name] = None
+        except sg.ShardGatherError as exc:
+            out[name] = (type(exc).__name__, str(exc))
+    after = sg.full_state_dict(model, rank0_only=False)
+    out["unchanged_by_errors"] = not diff_state_dicts(after, before)
+    res = sg.load_full_state_dict(model, path, strict=False)
+    out["non_strict"] = (res.missing_keys, res.unexpected_keys)
+    loaded = sg.full_state_dict(model, rank0_only=False)
+    torch.manual_seed(3)
+    want = TinyLM(n_layers=4).state_dict()
+    out["non_strict_loaded"] = not diff_state_dicts(
+        loaded, {k: v for k, v in want.items() if k in loaded}, order=False
+    )
+    if rank == 0:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 10)
+    dist.barrier()
+    try:
+        sg.load_full_state_dict(model, path)
+        out["truncated"] = None
+    except sg.ShardGatherError as exc:
+        out["truncated"] = (type(exc).__name__, str(exc))
+    return out
+
+
+def save_fails_on_one_rank(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
+    """The writer's disk fills up mid-stream: every rank raises, nothing is left."""
+    import errno
+    import os
+
+    from shardgather._engine import pieces, sinks
+    from shardgather._plan import build_plan
+
+    model, _ = build("fsdp1", world, seed=0)
+    if rank == 0:
+        # Fail on the second write of gathered data (a bucket on the collective path, a
+        # piece on the node-local one), after the unsharded entries went through.
+        unsharded = sum(1 for e in build_plan(model).entries.values() if e.source.group is None)
+        calls = [0]
+
+        def full_disk(real):  # type: ignore[no-untyped-def]
+            def write(*a, **k):  # type: ignore[no-untyped-def]
+                calls[0] += 1
+                if calls[0] > unsharded + 1:
+                    raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+                return real(*a, **k)
+
+            return write
+
+        sinks.pwrite_from = full_disk(sinks.pwrite_from)
+        pieces.pwrite_from = full_disk(pieces.pwrite_from)
+    try:
+        if transport == "auto-directory":
+            sg.save_full_state_dict(model, path, bucket_mb=0.001, max_shard_size=2000)
+        else:
+            sg.save_full_state_dict(model, path, bucket_mb=0.001, transport=transport)
+        raised = None
+    except sg.ShardGatherError as exc:
+        raised = (type(exc).__name__, str(exc))
+    leftovers = sorted(os.listdir(os.path.dirname(path)))
+    return {"raised": raised, "leftovers": leftovers, "writes": calls[0] if rank == 0 else None}
+
+
+def save_into_missing_dir(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
+    """Rank 0 cannot create the file (no such directory): every rank raises the same
+    CheckpointError at once, none is left waiting in a collective."""
+    import datetime
+
+    model, _ = build("fsdp2", world, seed=0)
+    timeout = datetime.timedelta(seconds=60)
+    try:
+        if transport == "checkpoint":
+            sg.save_checkpoint(path, model, timeout=timeout)
+        else:
+            sg.save_full_state_dict(model, path, transport=transport, timeout=timeout)
+        return {"raised": None}
+    except sg.ShardGatherError as exc:
+        return {"raised": (type(exc).__name__, str(exc))}
+
+
+def load_sources(rank: int, world: int, path: str, load_kind: str = "fsdp2") -> dict:  # type: ignore[type-arg]
+    """load_full_state_dict from a torch file (mmap), a dict on every rank, a dict on
+    rank 0 only, and files only rank 0 can see; each into a fresh FSDP model,
+    bit-exact, and where rank 0 sends, each rank receives only its own elements."""
+    saved, _ = build("fsdp1", world, seed=0)
+    train_steps(saved, rank, 1, torch.optim.SGD(saved.parameters(), lr=0.1))
+    want = sg.full_state_dict(saved, rank0_only=False, transport="collective")
+    if rank == 0:
+        # As DDP users save it: wrapped names, which loading cleans.
+        torch.save({"state_dict": {"module." + k: v for k, v in want.items()}}, path)
+    dist.barrier()
+    problems: list[str] = []
+    from shardgather import _dist
+
+    st_path = path + ".safetensors"
+    sg.save_full_state_dict(saved, st_path)
+    for name, source in {
+        "torch file": path,
+        "dict on every rank": want,
+        "dict on rank 0 only": want if rank == 0 else {},
+        # A file on rank 0's own disk: the other ranks cannot see it (another path here).
+        "torch file only rank 0 sees": path if rank == 0 else path + ".elsewhere",
+        "safetensors only rank 0 sees": st_path if rank == 0 else st_path + ".elsewhere",
+    }.items():
+        model, _ = build(load_kind, world, seed=1)
+        before = _dist.STATS["bytes_received"]
+        res = sg.load_full_state_dict(model, source)
+        received = _dist.STATS["bytes_received"] - before
+        if "rank 0" in name and rank != 0:
+            # Only this rank's elements travel to it, not every tensor.
+            total = sum(
+                v.numel() * v.element_size() for k, v in want.items() if k != "lm_head.weight"
+            )
+            if not 0 < received < 0.6 * total:
+                problems.append(f"{name}: rank {rank} received {received} of {total} bytes")
+        got = sg.full_state_dict(model)
+        if rank == 0:
+            problems += [f"{name}: " + p for p in diff_state_dicts(got, want, order=False)]
+            if res.missing_keys or res.unexpected_keys:
+                problems.append(f"{name}: {res}")
+    return {"problems": problems}
+
+
+def load_reads_only_own_bytes(rank: int, world: int, path: str, kind: str) -> dict:  # type: ignore[type-arg]
+    """Loading a safetensors file, a rank reads its own elements' bytes (plus the
+    header and the tensors every rank holds in full), not the file."""
+    from shardgather._engine.pieces import pieces_of
+    from shardgather._plan import build_plan
+    from shardgather.testing import Block as GPTBlock
+    from shardgather.testing import build_gpt
+
+    model = build_gpt(0.1)
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({GPTBlock}), device_id=torch.device("cpu")
+        )
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b)
+        fully_shard(model)
+    sg.save_full_state_dict(model, path)
+    plan = build_plan(model)
+    own = sum(e.nbytes for e in plan.entries.values() if e.source.group is None)
+    own += sum(pc.numel * pc.entry.dtype.itemsize for pc in pieces_of(plan, lambda i: True))
+    before = io_read_bytes()
+    sg.load_full_state_dict(model, path)
+    read = io_read_bytes() - before
+    import os
+
+    return {"read": read, "own": own, "file": os.path.getsize(path)}
+
+
 @pytest.mark.parametrize("case", list(ROUND_TRIPS))
 def test_round_trip(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     world, save_kind, load_kind, kw = ROUND_TRIPS[case]
     path = str(tmp_path / "model.safetensors")
     results = dist_harness.run(
-        "tests.scenarios:save_then_load",
+        "tests.test_checkpoint:save_then_load",
         world,
         path=path,
         save_kind=save_kind,
@@ -56,7 +286,7 @@ def test_round_trip(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def
 
 def test_load_errors_are_clear_and_lose_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "other.safetensors")
-    r = dist_harness.run("tests.scenarios:load_errors", 2, path=path)[0]
+    r = dist_harness.run("tests.test_checkpoint:load_errors", 2, path=path)[0]
     assert r["unexpected_key"][0] == "StateDictMismatchError"
     assert "unexpected keys ['blocks.3." in r["unexpected_key"][1]
     assert r["missing_file"][0] == "CheckpointError" and "no such file" in r["missing_file"][1]
@@ -72,7 +302,7 @@ def test_failed_save_on_one_rank_leaves_nothing(tmp_path, transport) -> None:  #
     if transport == "auto-directory":  # the Hugging Face layout, several files
         path = str(tmp_path / "hf")
     results = dist_harness.run(
-        "tests.scenarios:save_fails_on_one_rank", 2, path=path, transport=transport
+        "tests.test_checkpoint:save_fails_on_one_rank", 2, path=path, transport=transport
     )
     for r in results:
         assert r["raised"] is not None and "No space left" in r["raised"][1], r
@@ -84,7 +314,11 @@ def test_save_where_rank0_cannot_create_raises_on_every_rank(tmp_path, transport
     (tmp_path / "blocker").write_text("a file where a directory should be")
     path = str(tmp_path / "blocker" / "model.safetensors")
     results = dist_harness.run(
-        "tests.scenarios:save_into_missing_dir", 2, path=path, transport=transport, timeout=120
+        "tests.test_checkpoint:save_into_missing_dir",
+        2,
+        path=path,
+        transport=transport,
+        timeout=120,
     )
     for r in results:
         assert r["raised"] is not None and r["raised"][0] == "CheckpointError", r
@@ -129,7 +363,7 @@ def test_shape_mismatch_names_the_key_and_changes_nothing(tmp_path) -> None:  # 
 )
 def test_load_from_torch_file_and_dicts(tmp_path, load_kind: str, world: int) -> None:  # type: ignore[no-untyped-def]
     results = dist_harness.run(
-        "tests.scenarios:load_sources",
+        "tests.test_checkpoint:load_sources",
         world,
         path=str(tmp_path / "model.pt"),
         load_kind=load_kind,
@@ -141,7 +375,7 @@ def test_load_from_torch_file_and_dicts(tmp_path, load_kind: str, world: int) ->
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
 def test_load_reads_only_each_ranks_own_bytes(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
     results = dist_harness.run(
-        "tests.scenarios:load_reads_only_own_bytes",
+        "tests.test_checkpoint:load_reads_only_own_bytes",
         2,
         path=str(tmp_path / "m.safetensors"),
         kind=kind,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardgather as sg
-from shardgather import _save
+from shardgather._engine import pieces, sinks
 from shardgather.errors import CheckpointError, ShardGatherError
 from shardgather.io.hf_layout import parse_size, split_shards
 from shardgather.io.safetensors_format import read_header
@@ -143,7 +143,7 @@ def test_an_existing_directory_is_replaced_whole_or_not_at_all(tmp_path, monkeyp
     before = {f: (d / f).read_bytes() for f in os.listdir(d) if (d / f).is_file()}
 
     # A failure mid-stream: the directory is as it was, no temporary left beside it.
-    real = _save.pwrite_from
+    real = sinks.pwrite_from
     calls = [0]
 
     def full_disk(*a, **k):  # type: ignore[no-untyped-def]
@@ -152,10 +152,12 @@ def test_an_existing_directory_is_replaced_whole_or_not_at_all(tmp_path, monkeyp
             raise OSError(28, "No space left on device (simulated)")
         return real(*a, **k)
 
-    monkeypatch.setattr(_save, "pwrite_from", full_disk)
+    monkeypatch.setattr(sinks, "pwrite_from", full_disk)
+    monkeypatch.setattr(pieces, "pwrite_from", full_disk)
     with pytest.raises(ShardGatherError, match="No space left"):
         sg.save_full_state_dict(_llama(1), str(d), max_shard_size="20KB")
-    monkeypatch.setattr(_save, "pwrite_from", real)
+    monkeypatch.setattr(sinks, "pwrite_from", real)
+    monkeypatch.setattr(pieces, "pwrite_from", real)
     assert sorted(os.listdir(tmp_path)) == ["run"]
     assert {f: (d / f).read_bytes() for f in os.listdir(d) if (d / f).is_file()} == before
 

@@ -4,6 +4,9 @@ high-water mark) on a model many buckets large: the streaming contract of DESIGN
 from __future__ import annotations
 
 import pytest
+import torch
+
+import shardgather as sg
 
 from . import dist_harness
 
@@ -14,10 +17,109 @@ SIZE_GB = 0.3  # ~320 MB of fp32 parameters: 20 buckets of 16 MiB
 BUCKET_MB = 16
 
 
+def memory_bounds(rank: int, world: int, path: str, size_gb: float, bucket_mb: float) -> dict:  # type: ignore[type-arg]
+    """Peak RSS rise of full_state_dict / save / load on a model many buckets large."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from shardgather._memory import peak_rss_rise, trim
+    from shardgather.testing import Block as GPTBlock
+    from shardgather.testing import build_gpt
+
+    model = FSDP(
+        build_gpt(size_gb),
+        auto_wrap_policy=ModuleWrapPolicy({GPTBlock}),
+        device_id=torch.device("cpu"),
+    )
+    trim()
+    out: dict = {}
+    sg.full_state_dict(model, bucket_mb=bucket_mb)  # warm-up: first-call allocations
+    with peak_rss_rise() as m:
+        sd = sg.full_state_dict(model, bucket_mb=bucket_mb)
+    out["gather_rise"] = m["peak_rise"]
+    out["out_bytes"] = sum(
+        v.numel() * v.element_size() for k, v in sd.items() if k != "lm_head.weight"
+    )
+    del sd
+    trim()
+    with peak_rss_rise() as m:
+        sg.save_full_state_dict(model, path, bucket_mb=bucket_mb)
+    out["save_rise"] = m["peak_rise"]
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_state_dict(model, path, bucket_mb=bucket_mb)
+    out["load_rise"] = m["peak_rise"]
+    out["file_bytes"] = __import__("os").path.getsize(path)
+    # The Hugging Face layout: the same bound, whatever the number of files.
+    hf = path + ".hf"
+    trim()
+    with peak_rss_rise() as m:
+        sg.save_full_state_dict(model, hf, bucket_mb=bucket_mb, max_shard_size=50 * 2**20)
+    out["hf_save_rise"] = m["peak_rise"]
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_state_dict(model, hf, bucket_mb=bucket_mb)
+    out["hf_load_rise"] = m["peak_rise"]
+    out["hf_files"] = len(__import__("os").listdir(hf))
+    # A DCP directory torch wrote from the sharded model: the same bound (chunks located
+    # from their zip directories, each rank reading its own elements only).
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp_dir = path + ".dcp"
+    dcp.save(get_model_state_dict(model), checkpoint_id=dcp_dir)
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_state_dict(model, dcp_dir, bucket_mb=bucket_mb)
+    out["dcp_load_rise"] = m["peak_rise"]
+    # save_checkpoint with optimizer state (2x the model) stays within the same bound.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    trim()
+    with peak_rss_rise() as m:
+        sg.save_checkpoint(path + ".ckpt", model, opt)
+    out["checkpoint_rise"] = m["peak_rise"]
+    # Loading an optimizer state that only rank 0 holds: the other ranks never hold more
+    # of it than their slice of one tensor at a time (besides their own new shards).
+    from shardgather._plan import build_plan
+
+    osd = sg.full_optim_state_dict(model, opt)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_full_optim_state_dict(model, fresh, osd)
+    out["optim_load_rise"] = m["peak_rise"]
+    out["own_state_bytes"] = sum(
+        t.numel() * t.element_size()
+        for st in fresh.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
+    out["largest_tensor_bytes"] = max(e.nbytes for e in build_plan(model).entries.values())
+    # A checkpoint directory into a fresh optimizer: every rank preads only its own
+    # elements of each state tensor from optim.safetensors (what Lightning's strategies
+    # run on resume).
+    again = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    trim()
+    with peak_rss_rise() as m:
+        sg.load_checkpoint(path + ".ckpt", model, again)
+    out["checkpoint_load_rise"] = m["peak_rise"]
+    out["osd_bytes"] = sum(
+        t.numel() * t.element_size()
+        for st in osd.get("state", {}).values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return out
+
+
 def test_full_state_dict_save_and_load_stay_within_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "model.safetensors")
     results = dist_harness.run(
-        "tests.scenarios:memory_bounds",
+        "tests.test_memory:memory_bounds",
         2,
         timeout=400,
         path=path,

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.distributed
 
 
 def _osd_problems(got: dict, want: dict) -> list[str]:  # type: ignore[type-arg]
-    from .scenarios import _same_osd
+    from .builders import same_osd
 
-    return _same_osd(got, want, exact=True)
+    return same_osd(got, want, exact=True)
 
 
 def _torch_model_sd(model: torch.nn.Module) -> dict:  # type: ignore[type-arg]
@@ -47,9 +47,9 @@ def _outputs(model: torch.nn.Module, rank: int) -> torch.Tensor:
 
 
 def states_worker(rank: int, world: int, kind: str, path: str) -> dict:  # type: ignore[type-arg]
-    from .scenarios import _build
+    from .builders import build
 
-    model, _ = _build(kind, world, seed=0)
+    model, _ = build(kind, world, seed=0)
     opt = make_optimizer(model, "adamw")
     problems: list[str] = []
 
@@ -91,7 +91,7 @@ def states_worker(rank: int, world: int, kind: str, path: str) -> dict:  # type:
     sg.save_checkpoint(path, model, opt, extra={"step": 1})
     saved_out = _outputs(model, rank)
 
-    fresh, _ = _build(kind, world, seed=1)
+    fresh, _ = build(kind, world, seed=1)
     fresh_opt = make_optimizer(fresh, "adamw")
     _evaluate(fresh, rank)  # the loading side may have evaluated too
     extra = sg.load_checkpoint(path, fresh, fresh_opt)

@@ -40,10 +40,10 @@ def _want(model: torch.nn.Module, rank: int, dtype: torch.dtype | None) -> dict 
 
 
 def stream_worker(rank: int, world: int, kind: str, dtype: str | None, bucket_mb: float) -> dict:  # type: ignore[type-arg]
-    from .scenarios import _build
+    from .builders import build
 
     cast = getattr(torch, dtype) if dtype else None
-    model, _ = _build(kind, world, seed=0)
+    model, _ = build(kind, world, seed=0)
     opt = make_optimizer(model)
     train_steps(model, rank, 1, opt)
     want = _want(model, rank, cast)
@@ -108,9 +108,9 @@ def test_stream_and_reused_dict(case: str) -> None:
 
 
 def consumer_fails_worker(rank: int, world: int) -> dict:  # type: ignore[type-arg]
-    from .scenarios import _build
+    from .builders import build
 
-    model, _ = _build("fsdp2", world, seed=0)
+    model, _ = build("fsdp2", world, seed=0)
     out: dict = {}
     timeout = datetime.timedelta(seconds=30)
     try:

@@ -539,9 +539,9 @@ def test_cli_consolidate_of_a_damaged_dcp_directory(tmp_path, capsys) -> None:  
 
 def sharded_bad_files_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[type-arg]
     """Crafted files into FSDP2 (2 ranks): every rank raises, no shard changes."""
-    from .scenarios import _build
+    from .builders import build
 
-    model, _ = _build("fsdp2", world, seed=0)
+    model, _ = build("fsdp2", world, seed=0)
     opt = make_optimizer(model)
     from .models import train_steps
 
@@ -578,7 +578,7 @@ def sharded_bad_files_worker(rank: int, world: int, root: str) -> dict:  # type:
         with open(optim_file, "r+b") as f:
             f.truncate(os.path.getsize(optim_file) - 12)
     torch.distributed.barrier()
-    fresh, _ = _build("fsdp2", world, seed=1)
+    fresh, _ = build("fsdp2", world, seed=1)
     fresh_opt = make_optimizer(fresh)
     fresh_before = sg.full_state_dict(fresh, rank0_only=False)
     try:

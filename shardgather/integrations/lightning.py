@@ -36,9 +36,9 @@ from lightning.pytorch.strategies import FSDPStrategy as _TrainerFSDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
 from torch import nn
 
-from ..api import DEFAULT_TIMEOUT
+from .._options import DEFAULT_TIMEOUT
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import CheckpointError, ShardGatherError
-from ..resume import load_checkpoint, save_checkpoint
 
 __all__ = [
     "FSDPStrategy",

@@ -1,0 +1,129 @@
+"""Buckets and parts: how the collective transport groups sources into collectives,
+and where each entry's elements sit in a gathered bucket. Pure functions of the plan
+(every rank computes the same list, so collectives match), testable from metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .. import _layout as L
+from .._plan import Entry, GatherPlan, Source
+
+ALIGN = 16  # byte alignment of each chunk's columns in a bucket row (16-byte vectors)
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Chunk:
+    """Columns ``[col_lo, col_hi)`` (elements) of a source, at ``col_byte`` in the bucket row."""
+
+    source: Source
+    col_lo: int
+    col_hi: int
+    col_byte: int
+
+    @property
+    def whole(self) -> bool:
+        return self.col_lo == 0 and self.col_hi == self.source.row_numel
+
+
+@dataclass
+class Bucket:
+    """Chunks of sources sharing one group, moved by one collective: gathered, it is
+    uint8 ``[world, row_bytes]``, one row per rank of the group (rank-major)."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int  # this process's row in the group
+    ranks: tuple[int, ...]  # global ranks of the group, in row order
+    row_bytes: int
+    chunks: list[Chunk]
+
+    @property
+    def nbytes(self) -> int:
+        return self.world * self.row_bytes
+
+
+def build_buckets(sources: list[Source], bucket_bytes: int) -> list[Bucket]:
+    """Pack gathered sources, in plan order, into buckets of at most ``bucket_bytes``
+    gathered bytes; a source too big for one bucket is split into column chunks."""
+    buckets: list[Bucket] = []
+    cur: Bucket | None = None
+    for src in sources:
+        if src.group is None or src.row_numel == 0:
+            continue
+        row_cap = max(ALIGN, bucket_bytes // src.world // ALIGN * ALIGN)
+        itemsize = src.dtype.itemsize
+        col = 0
+        while col < src.row_numel:
+            if cur is None or cur.group is not src.group or cur.row_bytes >= row_cap:
+                cur = Bucket(src.group, src.world, src.rank, src.group_ranks, 0, [])
+                buckets.append(cur)
+            room = (row_cap - cur.row_bytes) // itemsize
+            if room <= 0:
+                cur = None
+                continue
+            take = min(room, src.row_numel - col)
+            cur.chunks.append(Chunk(src, col, col + take, cur.row_bytes))
+            cur.row_bytes = align(cur.row_bytes + take * itemsize)
+            col += take
+    return buckets
+
+
+def my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Bucket]:
+    """The buckets this call moves: all of them, or (``rank0_only``) those of the shard
+    groups holding global rank 0 (one HSDP replica)."""
+    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20))
+    if rank0_only:
+        buckets = [b for b in buckets if 0 in b.ranks]
+    return buckets
+
+
+@dataclass
+class Part:
+    """Elements ``[start, start + numel)`` (memory order) of an entry inside a carrier —
+    a gathered bucket, or a message — and the segment that locates them there (its
+    destination fields ``full_index``/``full_byte`` are filled in by the sink)."""
+
+    entry: Entry
+    start: int
+    numel: int
+    segment: L.Segment
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.entry.target_dtype.itemsize
+
+
+def bucket_parts(bucket: Bucket, by_source: dict[int, list[Entry]]) -> list[Part]:
+    """Where every entry element in ``bucket`` sits in the gathered ``[world, row_bytes]``."""
+    parts: list[Part] = []
+    for chunk in bucket.chunks:
+        src = chunk.source
+        kind = L.kind_of(src.dtype)
+        for e in by_source.get(src.index, []):
+            if e.numel == 0:
+                continue
+            seg = L.Segment(
+                e.base,
+                src.row_numel,
+                chunk.col_byte,
+                e.numel,
+                0,
+                0,
+                kind,
+                L.kind_of(e.target_dtype),
+            )
+            if chunk.whole:
+                parts.append(Part(e, 0, e.numel, seg))
+                continue
+            out_size = e.target_dtype.itemsize
+            for s in L.split_columns(seg, bucket.world, chunk.col_lo, chunk.col_hi, chunk.col_byte):
+                parts.append(Part(e, s.full_byte // out_size, s.numel, s))
+    return parts

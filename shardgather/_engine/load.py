@@ -1,0 +1,404 @@
+"""The engine backwards: full tensors from a source into each rank's own shards.
+
+Sources (this rank's view of what is being loaded, validated locally first):
+
+- :class:`StoredSource`: tensors in files — a safetensors file, a Hugging Face
+  directory, a DCP directory (:class:`shardgather.io.stored.StoredTensor`: where every
+  element's bytes are);
+- :class:`DictSource`: a dict of full tensors (a torch file is one, memory-mapped).
+
+Transports: **node-local** — every rank holds the source (the file is visible to it,
+or it has the dict) and takes exactly its own elements (preads only its own byte
+ranges); **collective** — only rank 0 holds it, and sends each rank its own elements
+of each tensor, point to point, one tensor at a time, in an order every rank computes
+up front. The sink is :class:`Shards`: the copy-in op writes (and casts) into each
+rank's shard storage — a model's, or fresh optimizer-state rows.
+
+Rounds: the **plan round** agrees on the plan, on every rank's validation of its
+source (so a bad source fails everywhere before any shard changes) and on who holds
+the source; the **done round** after the data moved.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import _dist, _ops
+from .. import _layout as L
+from .._dist import Call, data_group
+from .._options import Options, Transport
+from .._plan import Entry, GatherPlan, elems_in_row, flat_of, own_range
+from ..errors import ShardGatherError, StateDictMismatchError
+from ..io.safetensors_format import pread_into
+from ..io.stored import StoredTensor
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+# ------------------------------------------------------------------------ sources
+
+
+class DictSource:
+    """Full tensors by model key (a dict, or a memory-mapped torch file)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    @property
+    def has(self) -> bool:
+        return bool(self.tensors)
+
+    def shapes(self) -> Shapes:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
+
+    def flat(self, e: Entry, key: str) -> torch.Tensor:
+        """The whole entry, memory order, 1-D (rank 0 of a collective load)."""
+        return flat_of(e, self.tensors[key])
+
+    def locate_own(self, plan: GatherPlan, keys: Mapping[str, str]) -> None:
+        pass
+
+
+class StoredSource:
+    """Tensors in files, by model key."""
+
+    def __init__(self, tensors: Mapping[str, StoredTensor], what: str) -> None:
+        self.tensors, self.what = tensors, what
+        self._fds: dict[str, int] = {}
+
+    @property
+    def has(self) -> bool:
+        return True
+
+    def shapes(self) -> Shapes:
+        return {k: (tuple(t.shape), t.dtype) for k, t in self.tensors.items()}
+
+    def fd(self, path: str) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def read(self, key: str, lo: int, hi: int, buf: torch.Tensor) -> None:
+        """Elements ``lo:hi`` (row-major) of ``key`` into ``buf`` (uint8)."""
+        stored = self.tensors[key]
+        size = stored.dtype.itemsize
+        for path, offset, first, count in stored.runs(lo, hi):
+            at = (first - lo) * size
+            pread_into(self.fd(path), buf[at : at + count * size], offset)
+
+    def flat(self, e: Entry, key: str) -> torch.Tensor:
+        stored = self.tensors[key]
+        raw = torch.empty(stored.nbytes, dtype=torch.uint8)
+        self.read(key, 0, stored.numel, raw)
+        full = raw.view(stored.dtype).view(stored.shape)
+        return flat_of(e, full)
+
+    def locate_own(self, plan: GatherPlan, keys: Mapping[str, str]) -> None:
+        """Find where this rank's elements are (a DCP chunk is located from its own small
+        zip directory): done before the plan round, so that a damaged chunk is refused
+        on every rank before any shard changes."""
+        for key, e in plan.entries.items():
+            src_key = keys.get(key)
+            if src_key is None:
+                continue
+            stored = self.tensors[src_key]
+            lo, hi = (0, stored.numel) if not e.is_contiguous else own_range(e)
+            for _ in stored.runs(lo, hi):
+                pass
+
+
+Source = DictSource | StoredSource
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def source_key(plan: GatherPlan, key: str, available: Mapping[str, Any]) -> str | None:
+    """The key a source holds an entry under: its own, or a tied alias's."""
+    if key in available:
+        return key
+    return next((a for a, p in plan.aliases.items() if p == key and a in available), None)
+
+
+def castable(dtype: torch.dtype) -> bool:
+    """The copy kernels cast between fp16, bf16, fp32 and fp64; any other dtype (e.g.
+    float8) is copied as raw bytes, so it must match exactly."""
+    return dtype in L.KIND_DTYPE.values()
+
+
+def validate(
+    plan: GatherPlan,
+    available: Shapes,
+    strict: bool,
+    what: str,
+    renamed: Mapping[str, str] | None = None,
+) -> LoadResult:
+    """Compare the source's keys/shapes/dtypes with the model before touching anything.
+    A tied alias counts as present when its primary is (and vice versa). ``renamed``:
+    model key -> the source's own name, where a key map changed it (errors say both)."""
+    renamed = renamed or {}
+
+    def named(k: str) -> str:
+        return f"{k} (source key {renamed[k]!r})" if k in renamed else k
+
+    have = set(available)
+    for alias, primary in plan.aliases.items():
+        if alias in have:
+            have.add(primary)
+        if primary in have:
+            have.add(alias)
+    missing = [k for k in plan.keys if k not in have]
+    unexpected = sorted(set(available) - set(plan.keys))
+    mismatched: dict[str, str] = {}
+    for key, e in plan.entries.items():
+        src_key = source_key(plan, key, available)
+        if src_key is None:
+            continue
+        shape, dtype = available[src_key]
+        if tuple(shape) != tuple(e.shape):
+            mismatched[key] = f"shape {tuple(shape)} in source, {tuple(e.shape)} in model"
+        elif dtype != e.dtype and not (castable(dtype) and castable(e.dtype)):
+            mismatched[key] = f"dtype {dtype} in source, {e.dtype} in model (cannot cast)"
+    if mismatched or (strict and (missing or unexpected)):
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {[named(k) for k in unexpected]}")
+        if mismatched:
+            parts.append(
+                "mismatched " + "; ".join(f"{named(k)}: {v}" for k, v in mismatched.items())
+            )
+        raise StateDictMismatchError(
+            f"{what} does not match the model: " + ", ".join(parts) + ". Nothing was loaded. "
+            "Pass strict=False to load only the matching keys.",
+            missing,
+            unexpected,
+            mismatched,
+        )
+    return LoadResult(missing, unexpected)
+
+
+# ------------------------------------------------------------------------ the sink
+
+
+class Shards:
+    """Each rank's own shard storage of every entry, written in place by the copy-in
+    op (cast to the shard's dtype), through one staging buffer where needed."""
+
+    def __init__(self, staging_bytes: int) -> None:
+        self.staging_bytes = staging_bytes
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def row(e: Entry) -> tuple[torch.Tensor, int]:
+        """The storage this rank's elements of ``e`` are written to: (uint8 [1, row_bytes], row)."""
+        src = e.source
+        if src.storage is None:
+            raise ShardGatherError(
+                f"{e.key!r}: its tensor is not dense; it cannot be loaded in place"
+            )
+        t = src.storage()
+        return t.view(torch.uint8).view(1, -1) if t.element_size() > 1 else t.view(1, -1), src.rank
+
+    def write(self, e: Entry, lo: int, hi: int, flat: torch.Tensor) -> None:
+        """Elements ``lo:hi`` (memory order) of ``e``, given as ``flat``, into this rank's
+        shard storage (cast to its dtype)."""
+        row, first_row = self.row(e)
+        src = e.source
+        if row.is_cuda:
+            flat = flat.to(row.device)
+        elif flat.device.type != "cpu":
+            flat = flat.cpu()
+        seg = L.Segment(
+            e.base + lo,
+            src.row_numel,
+            0,
+            hi - lo,
+            0,
+            0,
+            L.kind_of(src.dtype),
+            L.kind_of(flat.dtype),
+        )
+        _ops.copy_in([flat.contiguous()], L.segment_table([seg]), row, first_row)
+        if row.is_cuda:
+            torch.cuda.current_stream(row.device).synchronize()  # the kernel's stream
+
+    def write_own(self, e: Entry, full: torch.Tensor) -> None:
+        """This rank's elements of one entry, from a full tensor."""
+        lo, hi = own_range(e)
+        if hi > lo:
+            self.write(e, lo, hi, flat_of(e, full)[lo:hi])
+
+    def read_own(self, e: Entry, source: StoredSource, key: str) -> None:
+        """pread exactly this rank's elements of ``e`` (from whichever files hold them)."""
+        stored = source.tensors[key]
+        row, first_row = self.row(e)
+        src = e.source
+        if not e.is_contiguous:
+            # The file is row-major, the shard holds memory order: read it whole and
+            # re-lay it out first (non-contiguous params are small: conv weights).
+            self.write(e, 0, e.numel, source.flat(e, key))
+            return
+        lo, hi = elems_in_row(e.base, src.row_numel, e.numel, first_row)
+        fsize = stored.dtype.itemsize
+        if stored.dtype == src.dtype and not row.is_cuda:
+            # Same dtype, host shard: the file's bytes are the shard's bytes, so pread
+            # them straight into place (no staging, no second copy).
+            start = (e.base + lo - first_row * src.row_numel) * fsize
+            source.read(key, lo, hi, row[0, start : start + (hi - lo) * fsize])
+            return
+        step = max(1, self.staging_bytes // fsize)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            n = (b - a) * fsize
+            if self._staging.numel() < n:
+                # CUDA shards read pinned staging through its mapped address.
+                self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=row.is_cuda)
+            buf = self._staging[:n]
+            source.read(key, a, b, buf)
+            self.write(e, a, b, buf.view(stored.dtype))
+
+
+# ------------------------------------------------------------------------ the driver
+
+
+@dataclass
+class Loading:
+    """One plan to load: this rank's source (None: it has none), and — once validated,
+    on every rank — which source key feeds each primary key, and each source key's dtype
+    (what a rank receiving from rank 0 allocates)."""
+
+    plan: GatherPlan
+    source: Source | None
+    keys: dict[str, str] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    @property
+    def has(self) -> bool:
+        return self.source is not None and self.source.has
+
+    def take(self, shapes: Shapes) -> None:
+        """Record what feeds each entry (after validation against ``shapes``)."""
+        for key in self.plan.entries:
+            src_key = source_key(self.plan, key, shapes)
+            if src_key is not None:
+                self.keys[key] = src_key
+        self.dtypes = {k: dtype for k, (_, dtype) in shapes.items()}
+
+
+@dataclass
+class Agreement:
+    node_local: bool
+    rank0_extra: Any  # what rank 0 posted (e.g. the shapes it validated)
+    rows_of: list[dict[int, int]] | None  # rank 0: every rank's row of every model source
+
+
+def plan_round(
+    call: Call, plan: GatherPlan, has: bool, opts: Options, extra: Any = None
+) -> Agreement:
+    """The plan round of a load: every rank's plan and validation agreed (a failure
+    anywhere raises everywhere, before any shard changes), who holds the source, and —
+    for rank 0, which may have to send every rank its elements — every rank's row of
+    every source (with HSDP, other replicas' shard groups are not in rank 0's plan)."""
+    rows = {s.index: s.rank for s in plan.sources if s.group is not None}
+    payload = (has, rows, extra if call.rank == 0 else None)
+    got = call.round("plan", same=plan.fingerprint, payload=payload, gather="to0", count=int(has))
+    everyone = call.count == call.world
+    rank0 = got[0] if call.rank == 0 else got
+    if not rank0[0]:
+        raise ShardGatherError(
+            f"{call.what}: rank 0 has nothing to load (an empty dict or no file there). "
+            "Rank 0 must hold the source; other ranks may pass {} or a path they cannot see."
+        )
+    if opts.transport == Transport.NODE_LOCAL and not everyone:
+        raise ShardGatherError(
+            f"{call.what}: transport='node-local' needs the source on every rank, "
+            f"{call.world - call.count} rank(s) lack it; use 'auto' to let rank 0 send it"
+        )
+    return Agreement(
+        node_local=everyone and opts.transport != Transport.COLLECTIVE,
+        rank0_extra=rank0[2],
+        rows_of=[g[1] for g in got] if call.rank == 0 else None,
+    )
+
+
+def move(call: Call, loadings: list[Loading], agreed: Agreement, opts: Options) -> None:
+    """The data phase: every loading's present entries into this rank's shards."""
+    sink = Shards(opts.bucket_bytes(False))
+    try:
+        if agreed.node_local:
+            for ld in loadings:
+                assert ld.source is not None
+                for key, e in ld.plan.entries.items():
+                    src_key = ld.keys.get(key)
+                    if src_key is None:
+                        continue
+                    if isinstance(ld.source, StoredSource):
+                        sink.read_own(e, ld.source, src_key)
+                    else:
+                        sink.write_own(e, ld.source.tensors[src_key])
+        else:
+            group = data_group(call)
+            for ld in loadings:
+                _scatter(call, ld, sink, group, agreed.rows_of)
+    finally:
+        for ld in loadings:
+            if isinstance(ld.source, StoredSource):
+                ld.source.close()
+
+
+def range_of(e: Entry, rows: Mapping[int, int]) -> tuple[int, int]:
+    """The elements of ``e`` that the rank whose rows are ``rows`` holds."""
+    if e.source.group is None:
+        return 0, e.numel
+    row = rows.get(e.source.model_index)
+    return elems_in_row(e.base, e.source.row_numel, e.numel, row) if row is not None else (0, 0)
+
+
+def _scatter(
+    call: Call, ld: Loading, sink: Shards, group: Any, rows_of: list[dict[int, int]] | None
+) -> None:
+    """Rank 0 sends every rank its own elements of each present entry, in plan order,
+    one entry at a time (the schedule: the plan and the keys, known to every rank);
+    each rank copies its own in. Rank 0 knows every rank's row of every source from
+    the plan round."""
+    tag = 0
+    for key, e in ld.plan.entries.items():
+        src_key = ld.keys.get(key)
+        if src_key is None:
+            continue
+        tag += 1
+        lo, hi = own_range(e)
+        if call.rank == 0:
+            assert ld.source is not None and rows_of is not None
+            flat = ld.source.flat(e, src_key)
+            works = []
+            for r in range(1, call.world):
+                a, b = range_of(e, rows_of[r])
+                if b > a:
+                    works.append((_dist.send(group, flat[a:b].contiguous(), r, tag), r))
+            if hi > lo:
+                sink.write(e, lo, hi, flat[lo:hi])
+            for work, r in works:
+                call.wait(work, f"sending {key} to rank {r}", r)
+        elif hi > lo:
+            buf = torch.empty(hi - lo, dtype=ld.dtypes[src_key])
+            work = _dist.recv(group, buf, 0, tag)
+            call.wait(work, f"receiving {key} from rank 0", 0)
+            sink.write(e, lo, hi, buf)

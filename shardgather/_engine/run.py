@@ -1,0 +1,179 @@
+"""The engine: plan -> transport -> sink, the one path every verb drives.
+
+``gather`` moves an agreed plan's entries into a sink (a host dict or files):
+
+1. rank 0 chooses the transport (node-local where it can run, else collective; it
+   alone knows its free shared memory) and prepares the sink (regions, temporary
+   files); the **plan round** agrees on the plan and hands rank 0's choice and
+   names to everyone — the only round of a repeated call before data moves;
+2. data moves: node-local, each rank on rank 0's host writes its own pieces and ranks
+   elsewhere send theirs to rank 0; collective, bucket gathers to the receiving ranks;
+3. each rank flushes its own writes; the **done round** agrees that every rank
+   succeeded; the sink finishes (rank 0 publishes a file: one more round).
+
+``stream`` is the collective transport as a generator (one bucket at a time) for
+``Gatherer.iter_full_tensors``. A failure anywhere is posted to the call's latch and
+raised on every rank (``_dist``); the sink's ``abort`` removes what it made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .._dist import Call, data_group
+from .._options import Options, Progress, Transport
+from .._plan import GatherPlan
+from . import node_local
+from .buckets import bucket_parts, my_buckets
+from .collective import BucketGathers, gather_buckets
+from .pieces import pieces_of, write_pieces
+from .remote import receive_pieces, send_pieces
+from .sinks import Files, HostDict
+
+
+def on_cuda(plan: GatherPlan) -> bool:
+    """Whether any gathered source lives on a GPU (then buckets are 256 MiB, not 16)."""
+    return any(s.group is not None and s.device.type == "cuda" for s in plan.sources)
+
+
+def host_buckets(plan: GatherPlan) -> bool:
+    """Whether host rows are gathered: then the data group is needed. From the plan,
+    not from this rank's buckets: every rank must answer alike (with rank0_only, the
+    other HSDP replicas have no buckets, yet build the group with everyone)."""
+    return any(s.group is not None and s.device.type != "cuda" for s in plan.sources)
+
+
+def gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -> Any:
+    """Every primary entry of ``plan`` into ``sink``; returns ``sink.finish``'s result.
+    Collective: every rank, same plan (the plan round checks it)."""
+    try:
+        return _gather(call, plan, sink, opts)
+    except BaseException:
+        sink.abort(call)
+        raise
+
+
+def _gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -> Any:
+    is_dict = isinstance(sink, HostDict)
+    why: str | None = "collective"
+    if opts.transport != Transport.COLLECTIVE:
+        why = node_local.unusable_because(
+            plan, opts.rank0_only, need_contiguous=sink.pieces_need_contiguous
+        )
+        if why is None and is_dict and opts.pin_memory:
+            why = "pin_memory=True"
+    hosts: list[str] = []
+    memfd = False
+    if why is None:  # the same answer on every rank: same plan, same options, same caches
+        hosts = node_local.host_ids(call, probe_memfd=is_dict)
+        memfd = is_dict and node_local.memfd_shareable(call)
+
+    def participating(i: int) -> bool:  # rank0_only: only the shard groups holding rank 0
+        return 0 in plan.sources[i].group_ranks
+
+    payload = None
+    if call.rank == 0:
+        if why is None and is_dict and not memfd:
+            free, need = node_local.shm_free_bytes(), sink.shm_bytes
+            if free < need + 64 * 2**20:
+                why = f"{node_local.SHM_DIR} has {free >> 20} MiB free, {need >> 20} MiB needed"
+        # Rank 0 names the ranks that send it their pieces: only its own plan shows
+        # which shard groups take part (other HSDP replicas see other groups).
+        senders = []
+        if why is None and not opts.shared_filesystem:
+            senders = node_local.remote_ranks(call, plan, participating)
+        payload = (why, sink.prepare(call, why is None, memfd), senders)
+    why, handoff, remote = call.round(
+        "plan", same=plan.fingerprint, payload=payload, gather="rank0"
+    )
+    local = why is None
+    if not local and opts.transport == Transport.NODE_LOCAL:
+        node_local.warn_once(
+            f"shardgather: node-local transport unavailable ({why}); using collectives"
+        )
+    buckets = (
+        [] if local else my_buckets(plan, opts.bucket_bytes(on_cuda(plan)) / 2**20, opts.rank0_only)
+    )
+    group = None
+    if (local and remote) or (not local and host_buckets(plan)):
+        group = data_group(call)
+    same_host = opts.shared_filesystem or not hosts or hosts[call.rank] == hosts[0]
+    writes_pieces = local and call.rank not in remote and same_host
+    sink.open(call, local, handoff, writes_pieces)
+
+    receives = call.rank == 0 if local else (not opts.rank0_only or call.rank == 0)
+    total = sum(e.nbytes for e in plan.entries.values())
+    bar = Progress(opts.progress and receives, total, f"shardgather: {call.what}")
+    try:
+        if receives:
+            for e in plan.entries.values():
+                if e.source.group is None:  # held whole by every rank: no transport
+                    sink.write_whole(e)
+                    bar.update(e.nbytes)
+        message_bytes = opts.bucket_bytes(on_cuda(plan))
+        if local:
+            mine = pieces_of(plan, participating)
+            if call.rank in remote:
+                send_pieces(call, mine, message_bytes, group)
+            elif writes_pieces:
+                write_pieces(mine, sink.target)
+            if call.rank == 0:
+                bar.update(sum(pc.numel * pc.entry.target_dtype.itemsize for pc in mine))
+                for sender in remote:
+                    theirs = pieces_of(plan, participating, sender)
+                    receive_pieces(call, sender, theirs, message_bytes, group, sink)
+        else:
+            by_source = plan.entries_by_source()
+            for bucket, rows in gather_buckets(
+                call, buckets, lambda b: receives, to_one=opts.rank0_only, group=group
+            ):
+                if rows is not None:
+                    parts = bucket_parts(bucket, by_source)
+                    sink.write_rows(rows, parts)
+                    bar.update(sum(p.nbytes for p in parts))
+        sink.flush()
+    finally:
+        bar.close()
+    call.round("done")
+    result = sink.finish(call)
+    if isinstance(sink, Files):
+        call.round("published")  # the output exists for everyone once the call returns
+    return result
+
+
+def stream(
+    call: Call,
+    plan: GatherPlan,
+    opts: Options,
+    copy_out: Callable[[torch.Tensor, list[Any]], list[tuple[str, torch.Tensor]]],
+    whole: Callable[[Any], torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The collective transport as a stream: yields ``(key, tensor)`` as buckets
+    complete them. One buffer pair: bucket k+1 is launched as soon as bucket k is copied
+    out (``copy_out(rows, parts)``, which returns the entries it completed), so it is in
+    flight while the consumer handles bucket k, and gathered rows never outlive their
+    copy-out. ``whole(entry)`` makes an entry every rank holds in full."""
+    receives = not opts.rank0_only or call.rank == 0
+    buckets = my_buckets(plan, opts.bucket_bytes(on_cuda(plan)) / 2**20, opts.rank0_only)
+    call.round("plan", same=plan.fingerprint)
+    group = data_group(call) if host_buckets(plan) else None
+    gathers = BucketGathers(
+        call, buckets, lambda b: receives, to_one=opts.rank0_only, group=group, slots=1
+    )
+    if buckets:
+        gathers.launch(0)
+    if receives:
+        for key, e in plan.entries.items():
+            if e.source.group is None:
+                yield key, whole(e)
+    by_source = plan.entries_by_source()
+    for i, bucket in enumerate(buckets):
+        rows = gathers.wait(i)
+        done = copy_out(rows, bucket_parts(bucket, by_source)) if rows is not None else []
+        if i + 1 < len(buckets):
+            gathers.launch(i + 1)
+        yield from done
+    call.round("done")

@@ -1,0 +1,200 @@
+"""The plan's types: sources, entries, and the plan itself, with the range rules every
+part of the engine shares. Pure data: nothing here reads FSDP internals or talks to
+other ranks, so plans can be built and checked from metadata alone (tests do).
+
+Glossary (one concept, one name, in Python and C++ alike):
+
+- **source**: a 1-D buffer that every rank of its shard group holds one equal-sized,
+  padded *row* of (FSDP1: a flat parameter's shard; FSDP2: one parameter's padded
+  dim-0 shard; a tensor every rank holds whole: a source of one row, no group).
+- **row** (= a **shard**): one rank's part of a source. Rows are rank-major: a gathered
+  bucket is uint8 ``[world, row_bytes]``; the copy ops take such rows as ``shards``
+  and call the element kind on that side ``shard_kind`` (``layout.h``).
+- **entry**: one key of the output state dict — shape, stride, dtype, and where its
+  elements start in its source (``base``). Tied aliases point at their primary entry.
+- **piece**: the one contiguous run of an entry's elements that one rank holds.
+- **chunk**: columns ``[lo, hi)`` of a source gathered in one bucket.
+- **bucket**: chunks of sources sharing a group, moved by one collective.
+- **part**: a run of an entry's elements inside a carrier (a bucket's gathered rows,
+  or a message), with the **segment** (a row of the segment table, ``layout.h``) that
+  tells the copy op where the part's elements are.
+- **slab**: a reused staging buffer (pinned on CUDA).
+- **full**: a destination tensor, addressed by the copy ops in memory order.
+- **run**: (C++ only) a piece of a segment contiguous on both sides; the kernels'
+  unit of work.
+- **round**: one bounded agreement of every rank through the store (``_dist``).
+- **transport**: how bytes move (node-local, collective; ``remote`` for pieces of
+  ranks on other hosts); **sink**: where they go (host dict, files, stream, shards).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Source:
+    """A 1-D row-sharded buffer: ``world`` rows of ``row_numel`` elements each."""
+
+    index: int
+    group: dist.ProcessGroup | None  # None: a local tensor, nothing to gather
+    world: int
+    rank: int  # this process's row
+    row_numel: int  # P: padded elements per row, equal on every rank
+    dtype: torch.dtype
+    local: Callable[[], torch.Tensor]  # this rank's row: 1-D, <= row_numel elements
+    group_ranks: tuple[int, ...] = ()
+    description: str = ""
+    # The live storage of this rank's padded row, for loading in place (None: the
+    # row cannot be written in place).
+    storage: Callable[[], torch.Tensor] | None = None
+    # Optimizer state: the index of the model's source this row mirrors (same group,
+    # same layout); None for a model's own source.
+    origin: int | None = None
+    # Where the row lives (known without building it: an optimizer-state row is made
+    # on demand).
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def model_index(self) -> int:
+        return self.index if self.origin is None else self.origin
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * self.dtype.itemsize
+
+
+@dataclass
+class Entry:
+    """One key of the output state dict."""
+
+    key: str
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype  # the stored (full-precision) dtype
+    source: Source
+    base: int  # element offset of element 0 (in memory order) in the source's flat layout
+    is_buffer: bool = False
+    out_dtype: torch.dtype | None = None  # dtype to produce (None: same as dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def target_dtype(self) -> torch.dtype:
+        return self.out_dtype or self.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.target_dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.numel <= 1 or tuple(self.stride) == contiguous_stride(self.shape)
+
+
+@dataclass
+class GatherPlan:
+    """Every output key in ``state_dict()`` order, with aliases for tied tensors."""
+
+    keys: list[str]  # all keys, plain-model order
+    entries: dict[str, Entry]  # primary keys only
+    aliases: dict[str, str]  # alias key -> primary key
+    sources: list[Source]
+    rank: int
+    world: int
+    fingerprint: str = field(default="")
+    # Storage identity -> primary key: ("fsdp1", id(flat_param), index),
+    # ("fsdp2", id(FSDPParam)) or ("local", id(tensor)). Optimizer state uses it.
+    identities: dict[object, str] = field(default_factory=dict)
+
+    def entries_by_source(self) -> dict[int, list[Entry]]:
+        out: dict[int, list[Entry]] = {}
+        for e in self.entries.values():
+            out.setdefault(e.source.index, []).append(e)
+        for lst in out.values():
+            lst.sort(key=lambda e: e.base)
+        return out
+
+
+def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    stride: list[int] = []
+    acc = 1
+    for d in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or (t.dim() == 0)
+
+
+def memory_order_flat(t: torch.Tensor) -> torch.Tensor:
+    """The elements of a dense tensor in memory order, 1-D (no copy)."""
+    if t.numel() == 0:
+        return t.reshape(0)
+    return t.as_strided((t.numel(),), (1,))
+
+
+def fingerprint(plan: GatherPlan) -> str:
+    """A digest every rank must agree on before any collective runs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in plan.keys:
+        e = plan.entries.get(k)
+        if e is None:
+            h.update(f"{k}->{plan.aliases[k]};".encode())
+        else:
+            s = e.source
+            h.update(
+                f"{k}:{tuple(e.shape)}:{e.dtype}:{e.target_dtype}:{e.base}:{s.index}:"
+                f"{s.world}:{s.row_numel}:{s.dtype}:{s.group is None};".encode()
+            )
+    return h.hexdigest()[:16]
+
+
+def own_range(e: Entry, src: Source | None = None) -> tuple[int, int]:
+    """This rank's elements of ``e`` (memory order) in its row of ``src`` (default: the
+    entry's own source), or all of a local tensor."""
+    src = src or e.source
+    return elems_in_row(e.base, src.row_numel, e.numel, src.rank)
+
+
+def flat_of(e: Entry, full: torch.Tensor) -> torch.Tensor:
+    """``full`` in ``e``'s memory order, flattened."""
+    t = full.detach()
+    if not e.is_contiguous:
+        t = torch.empty_strided(tuple(e.shape), e.stride, dtype=t.dtype, device=t.device).copy_(t)
+    return memory_order_flat(t.contiguous() if e.is_contiguous else t)
+
+
+def elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
+    lo = min(max(row * p - base, 0), numel)
+    hi = min(max((row + 1) * p - base, 0), numel)
+    return lo, max(lo, hi)
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[int, int, tuple[int, ...]]:
+    if group is None or not dist.is_initialized():
+        return 1, 0, (0,)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return dist.get_world_size(group), dist.get_rank(group), ranks
+
+
+def row_of_rank(src: Source, global_rank: int) -> int | None:
+    """The row of ``src`` that global ``global_rank`` holds (None: not in its group).
+    Group ranks follow ``group_ranks`` order, so any rank's row is known from metadata."""
+    if src.group is None:
+        return 0  # every rank holds a local source whole
+    try:
+        return src.group_ranks.index(global_rank)
+    except ValueError:
+        return None

@@ -1,0 +1,177 @@
+"""The walk: the model's modules in ``state_dict()`` order, wrappers skipped, each
+parameter and persistent buffer becoming an entry (FSDP1, FSDP2 or local)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import UnsupportedModelError
+from . import fsdp1, fsdp2
+from .types import (
+    Entry,
+    GatherPlan,
+    Source,
+    contiguous_stride,
+    fingerprint,
+    is_dense,
+    memory_order_flat,
+)
+from .wrappers import wrapper_child_name
+
+
+def _local_source(t: torch.Tensor, key: str, sources: list[Source]) -> Source:
+    t = t.detach()
+    dense = is_dense(t)
+    if not dense:
+        t = t.contiguous()
+    src = Source(
+        index=len(sources),
+        group=None,
+        world=1,
+        rank=0,
+        row_numel=t.numel(),
+        dtype=t.dtype,
+        local=lambda t=t: memory_order_flat(t),
+        description=f"local tensor {key}",
+        storage=(lambda t=t: memory_order_flat(t)) if dense else None,
+        device=t.device,
+    )
+    sources.append(src)
+    return src
+
+
+def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    """(clean prefix, module) in ``state_dict()`` order, wrappers skipped."""
+    while (child := wrapper_child_name(module)) is not None:
+        module = getattr(module, child)
+    yield prefix, module
+    for name, child_module in module._modules.items():
+        if child_module is None:
+            continue
+        yield from _walk(child_module, f"{prefix}{name}.")
+
+
+def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherPlan:
+    """Walk ``model`` once and describe every key of its full state dict.
+
+    Args:
+        model: a plain, DDP-, compiled-, FSDP1- or FSDP2-wrapped module.
+        dtype: cast floating-point entries to this dtype (None: keep).
+
+    Raises:
+        UnsupportedModelError: a parameter is sharded in a way shardgather cannot gather.
+    """
+    sources: list[Source] = []
+    flat_refs = fsdp1.flat_refs(model, sources)
+    fsdp2_params = fsdp2.params_by_module(model)
+    buffer_dtypes = fsdp1.orig_buffer_dtypes(model) if flat_refs else {}
+    flat_names: dict[int, list[str]] = {}
+    for mod_id, name in flat_refs:
+        flat_names.setdefault(mod_id, []).append(name)
+
+    keys: list[str] = []
+    entries: dict[str, Entry] = {}
+    aliases: dict[str, str] = {}
+    by_identity: dict[object, str] = {}
+    fsdp2_sources: dict[int, Source] = {}
+
+    def add(key: str, identity: object, make: Callable[[], Entry]) -> None:
+        keys.append(key)
+        if identity in by_identity:
+            aliases[key] = by_identity[identity]
+            return
+        by_identity[identity] = key
+        e = make()
+        if dtype is not None and e.dtype.is_floating_point:
+            e.out_dtype = dtype
+        entries[key] = e
+
+    for prefix, mod in _walk(model, ""):
+        names = [
+            n for n, p in mod._parameters.items() if p is not None and not fsdp1.is_flat_param(p)
+        ]
+        names += [n for n in flat_names.get(id(mod), []) if n not in names]
+        for name in names:
+            key = prefix + name
+            ref = flat_refs.get((id(mod), name))
+            if ref is not None:
+                add(
+                    key,
+                    ref.identity,
+                    lambda ref=ref, key=key: Entry(
+                        key, ref.shape, ref.stride, ref.source.dtype, ref.source, ref.base
+                    ),
+                )
+                continue
+            p = mod._parameters[name]
+            assert p is not None
+            fp = fsdp2_params.get((id(mod), name))
+            if fp is not None:
+
+                def make2(fp=fp, key=key) -> Entry:
+                    if id(fp) not in fsdp2_sources:
+                        fsdp2_sources[id(fp)] = fsdp2.source_of(fp, key, sources)
+                    src = fsdp2_sources[id(fp)]
+                    shape = torch.Size(fp._orig_size)
+                    return Entry(key, shape, contiguous_stride(shape), src.dtype, src, 0)
+
+                add(key, ("fsdp2", id(fp)), make2)
+                continue
+            if _is_dtensor(p):
+                raise UnsupportedModelError(
+                    f"{key!r} is a DTensor not managed by fully_shard (tensor parallelism?); "
+                    "shardgather gathers FSDP sharding only. Gather it with DTensor.full_tensor()."
+                )
+            add(key, ("local", id(p)), lambda p=p, key=key: _local_entry(key, p, sources))
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set:
+                continue
+            key = prefix + name
+
+            def makeb(b=b, key=key) -> Entry:
+                e = _local_entry(key, b, sources, is_buffer=True)
+                orig = buffer_dtypes.get(key)
+                if orig is not None and orig != e.dtype:
+                    e.out_dtype = orig
+                return e
+
+            add(key, ("local", id(b)), makeb)
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = GatherPlan(keys, entries, aliases, sources, rank, world, identities=by_identity)
+    plan.fingerprint = fingerprint(plan)
+    return plan
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local_entry(
+    key: str, t: torch.Tensor, sources: list[Source], is_buffer: bool = False
+) -> Entry:
+    src = _local_source(t, key, sources)
+    shape = t.shape
+    stride = tuple(t.stride()) if is_dense(t) else contiguous_stride(shape)
+    return Entry(key, shape, stride, t.dtype, src, 0, is_buffer=is_buffer)
+
+
+def reshard_for_load(model: nn.Module) -> None:
+    """Put every FSDP unit of ``model`` back into its sharded state before its shards
+    are written. After a forward without backward (an evaluation under
+    ``torch.no_grad()``) FSDP1 keeps the root's flat parameter unsharded and FSDP2
+    the root's parameters; the next forward then uses that stale full copy instead
+    of gathering the shards, so weights loaded into the shards would be silently
+    ignored until the next backward. No collective: resharding only frees memory.
+    """
+    fsdp2.reshard(model)
+    fsdp1.reshard(model)
