@@ -1,0 +1,149 @@
+"""Plans built from metadata alone, as every rank of a sharded model would build them —
+without FSDP or processes: the in-process tier runs the engine's scheduling and copy
+paths on them, rank by rank.
+
+An FSDP1 layout is one flat parameter (the params back to back, padded to a multiple
+of the world) whose rows are contiguous ranges; an FSDP2 layout gives every parameter
+its own source, a padded dim-0 row range per rank (the last ranks' rows shorter or
+empty, as FSDP2's are).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardgather._plan import Entry, GatherPlan, Source, contiguous_stride, fingerprint
+
+GROUP = object()  # stands for a process group: the engine compares groups by identity
+
+
+@dataclass
+class Sharded:
+    plans: list[GatherPlan]  # what rank r builds (its own rows)
+    fulls: dict[str, torch.Tensor]  # the plain model's tensors
+    world: int
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g).to(dtype)
+
+
+def _plan(entries: list[Entry], sources: list[Source], rank: int, world: int) -> GatherPlan:
+    keys = [e.key for e in entries]
+    plan = GatherPlan(keys, {e.key: e for e in entries}, {}, sources, rank, world)
+    plan.fingerprint = fingerprint(plan)
+    return plan
+
+
+def _local(t: torch.Tensor, key: str, index: int) -> tuple[Source, Entry]:
+    src = Source(
+        index,
+        None,
+        1,
+        0,
+        t.numel(),
+        t.dtype,
+        lambda t=t: t.reshape(-1),
+        (0,),
+        f"local {key}",
+        storage=lambda t=t: t.reshape(-1),
+    )
+    return src, Entry(key, t.shape, contiguous_stride(t.shape), t.dtype, src, 0, is_buffer=True)
+
+
+def fsdp1(
+    shapes: list[tuple[int, ...]],
+    world: int,
+    dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> Sharded:
+    """One flat parameter of ``shapes`` plus one buffer, sharded over ``world`` ranks."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = {f"p{i}": _values(s, dtype, g) for i, s in enumerate(shapes)}
+    fulls["buf"] = _values((3,), torch.int64, g)
+    flat = torch.cat([fulls[f"p{i}"].reshape(-1) for i in range(len(shapes))])
+    p = max(1, math.ceil(flat.numel() / world))
+    padded = torch.zeros(p * world, dtype=dtype)
+    padded[: flat.numel()] = flat
+    rows = padded.view(world, p).clone()
+    plans = []
+    for r in range(world):
+        src = Source(
+            0,
+            GROUP,
+            world,
+            r,
+            p,
+            dtype,
+            lambda r=r: rows[r],
+            tuple(range(world)),
+            "flat",
+            storage=lambda r=r: rows[r],
+        )
+        entries, base = [], 0
+        for i, s in enumerate(shapes):
+            e = Entry(f"p{i}", torch.Size(s), contiguous_stride(s), dtype, src, base)
+            e.out_dtype = out_dtype
+            entries.append(e)
+            base += math.prod(s)
+        bsrc, bentry = _local(fulls["buf"], "buf", 1)
+        plans.append(_plan([*entries, bentry], [src, bsrc], r, world))
+    return Sharded(plans, fulls, world)
+
+
+def fsdp2(
+    shapes: list[tuple[int, ...]],
+    world: int,
+    dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> Sharded:
+    """One source per parameter (padded dim-0 shards) plus one buffer."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = {f"p{i}": _values(s, dtype, g) for i, s in enumerate(shapes)}
+    fulls["buf"] = _values((3,), torch.int64, g)
+    rows: list[list[torch.Tensor]] = []  # [param][rank] padded row storage
+    locals_: list[list[torch.Tensor]] = []  # [param][rank] the unpadded local shard
+    for i, s in enumerate(shapes):
+        per = math.ceil(s[0] / world) if s[0] else 0
+        inner = math.prod(s[1:])
+        row_numel = max(per * inner, 0)
+        full = fulls[f"p{i}"]
+        rs, ls = [], []
+        for r in range(world):
+            chunk = full[r * per : (r + 1) * per].reshape(-1)
+            row = torch.zeros(row_numel, dtype=dtype)
+            row[: chunk.numel()] = chunk
+            rs.append(row)
+            ls.append(row[: chunk.numel()])  # FSDP2's local tensor views its padded row
+        rows.append(rs)
+        locals_.append(ls)
+    plans = []
+    for r in range(world):
+        sources, entries = [], []
+        for i, s in enumerate(shapes):
+            src = Source(
+                i,
+                GROUP,
+                world,
+                r,
+                rows[i][r].numel(),
+                dtype,
+                lambda i=i, r=r: locals_[i][r],
+                tuple(range(world)),
+                f"p{i}",
+                storage=lambda i=i, r=r: rows[i][r],
+            )
+            sources.append(src)
+            e = Entry(f"p{i}", torch.Size(s), contiguous_stride(s), dtype, src, 0)
+            e.out_dtype = out_dtype
+            entries.append(e)
+        bsrc, bentry = _local(fulls["buf"], "buf", len(shapes))
+        plans.append(_plan([*entries, bentry], [*sources, bsrc], r, world))
+    return Sharded(plans, fulls, world)

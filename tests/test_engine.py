@@ -1,0 +1,273 @@
+"""The in-process tier: plans built from metadata (``fake_plans``), and the engine's
+scheduling and copy paths run on them rank by rank, in one process — buckets and parts
+(the collective transport), pieces (node-local), messages (other hosts), load ranges —
+bit-exact against the plain tensors. No FSDP, no process group: what these cover, the
+multi-process tier does not need to."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardgather as sg
+from shardgather import _dist
+from shardgather._engine import load as engine_load
+from shardgather._engine import staging
+from shardgather._engine.buckets import bucket_parts, build_buckets, my_buckets
+from shardgather._engine.collective import pack_row
+from shardgather._engine.pieces import Rows, message_size, messages, pieces_of, write_pieces
+from shardgather._engine.remote import pack_message
+from shardgather._engine.sinks import Files, HostDict, file_set
+from shardgather._plan import own_range
+
+from . import fake_plans
+from .fake_plans import Sharded
+
+SHAPES = st.lists(
+    st.tuples(st.integers(0, 9), st.integers(1, 5)), min_size=1, max_size=5
+)  # dim 0 may be 0 (empty params) or smaller than the world (empty shards)
+LAYOUTS = {"fsdp1": fake_plans.fsdp1, "fsdp2": fake_plans.fsdp2}
+
+
+def _expected(s: Sharded, key: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+    t = s.fulls[key]
+    return t.to(out_dtype) if out_dtype is not None and t.is_floating_point() else t
+
+
+def _gather_in_process(s: Sharded, bucket_bytes: int) -> dict[str, torch.Tensor]:
+    """The collective transport, simulated: every rank packs its row of each bucket
+    (the real packing), the rows are stacked as a gather would, and rank 0's sink
+    copies them out (the real copy-out)."""
+    plan0 = s.plans[0]
+    sink = HostDict(plan0, receives=True)
+    sink.open(None, False, None, False)  # type: ignore[arg-type]
+    for e in plan0.entries.values():
+        if e.source.group is None:
+            sink.write_whole(e)
+    per_rank = [build_buckets(p.sources, bucket_bytes) for p in s.plans]
+    by_source = plan0.entries_by_source()
+    for i, b in enumerate(per_rank[0]):
+        rows = torch.zeros(b.world, b.row_bytes, dtype=torch.uint8)
+        for r, plan in enumerate(s.plans):
+            mine = per_rank[r][i]
+            assert (mine.row_bytes, len(mine.chunks)) == (b.row_bytes, len(b.chunks))
+            pack_row(mine, rows[r], lambda src, plan=plan: plan.sources[src.index].local())
+        sink.write_rows(rows, bucket_parts(b, by_source))
+    assert sink.outputs is not None
+    return sink.outputs
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    shapes=SHAPES,
+    world=st.integers(1, 4),
+    bucket_bytes=st.sampled_from([16, 48, 100, 4096]),
+    cast=st.booleans(),
+)
+def test_buckets_and_parts_deliver_every_element(layout, shapes, world, bucket_bytes, cast) -> None:  # type: ignore[no-untyped-def]
+    out_dtype = torch.bfloat16 if cast else None
+    s = LAYOUTS[layout](shapes, world, out_dtype=out_dtype)
+    got = _gather_in_process(s, bucket_bytes)
+    for key in s.fulls:
+        want = _expected(s, key, out_dtype if key != "buf" else None)
+        assert got[key].dtype == want.dtype and torch.equal(got[key], want), key
+    # Each element arrives in exactly one part (tiny buckets split sources in chunks).
+    plan = s.plans[0]
+    counts = {k: 0 for k in plan.entries}
+    for b in build_buckets(plan.sources, bucket_bytes):
+        for p in bucket_parts(b, plan.entries_by_source()):
+            counts[p.entry.key] += p.numel
+    for key, e in plan.entries.items():
+        if e.source.group is not None:
+            assert counts[key] == e.numel, key
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=st.sampled_from(sorted(LAYOUTS)), shapes=SHAPES, world=st.integers(1, 4))
+def test_the_pieces_of_all_ranks_tile_every_entry(layout, shapes, world) -> None:  # type: ignore[no-untyped-def]
+    s = LAYOUTS[layout](shapes, world)
+    for key, e in s.plans[0].entries.items():
+        if e.source.group is None:
+            continue
+        covered = torch.zeros(e.numel, dtype=torch.int32)
+        flat = s.fulls[key].reshape(-1)
+        for r, plan in enumerate(s.plans):
+            # Any rank's pieces are known to every rank, from the plan alone.
+            def spans(pcs):  # type: ignore[no-untyped-def]
+                return [(pc.entry.key, pc.local_elem, pc.dst_elem, pc.numel) for pc in pcs]
+
+            assert spans(pieces_of(s.plans[0], lambda i: True, r)) == spans(
+                pieces_of(plan, lambda i: True)
+            )
+            for pc in pieces_of(plan, lambda i: True):
+                if pc.entry.key != key:
+                    continue
+                covered[pc.dst_elem : pc.dst_elem + pc.numel] += 1
+                local = plan.sources[pc.entry.source.index].local()
+                assert torch.equal(
+                    local[pc.local_elem : pc.local_elem + pc.numel],
+                    flat[pc.dst_elem : pc.dst_elem + pc.numel],
+                ), (key, r)
+            lo, hi = own_range(plan.entries[key])
+            theirs = [
+                (pc.dst_elem, pc.dst_elem + pc.numel)
+                for pc in pieces_of(s.plans[0], lambda i: True, r)
+                if pc.entry.key == key
+            ]
+            assert theirs == ([(lo, hi)] if hi > lo else []), (key, r)
+        assert bool((covered == 1).all()), key
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("cast", [False, True], ids=["same-dtype", "bf16"])
+def test_node_local_pieces_written_by_each_rank_make_the_file(tmp_path, layout, cast) -> None:  # type: ignore[no-untyped-def]
+    out_dtype = torch.bfloat16 if cast else None
+    s = LAYOUTS[layout]([(7, 3), (1, 4), (0, 2), (5, 5)], 3, out_dtype=out_dtype)
+    fs = file_set(s.plans[0], tmp_path / "m.safetensors")
+    sink = Files(fs, what="test")
+    handoff = sink.prepare(None, True, False)  # type: ignore[arg-type]
+    sink.open(_OneRank(0), True, handoff, True)  # type: ignore[arg-type]
+    for e in s.plans[0].entries.values():
+        if e.source.group is None:
+            sink.write_whole(e)
+    for plan in s.plans:  # each "rank" pwrites its own pieces, as node-local does
+        write_pieces(pieces_of(plan, lambda i: True), sink.target)
+    sink.flush()
+    sink.finish(_OneRank(0))  # type: ignore[arg-type]
+    got = sg.load_file(tmp_path / "m.safetensors")
+    for key in s.fulls:
+        want = _expected(s, key, out_dtype if key != "buf" else None)
+        assert torch.equal(got[key], want), key
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("message_bytes", [16, 64, 2**20], ids=["tiny", "small", "one"])
+def test_messages_from_other_hosts_reach_the_sink(layout, message_bytes) -> None:  # type: ignore[no-untyped-def]
+    s = LAYOUTS[layout]([(6, 5), (2, 3), (9, 1)], 2, out_dtype=torch.float16)
+    sink = HostDict(s.plans[0], receives=True)
+    sink.open(None, False, None, False)  # type: ignore[arg-type]
+    for e in s.plans[0].entries.values():
+        if e.source.group is None:
+            sink.write_whole(e)
+    for r, plan in enumerate(s.plans):
+        sent = messages(pieces_of(plan, lambda i: True), message_bytes)
+        # The receiver derives the same messages from the plan (only payload travels).
+        assert [[(p.entry.key, p.start, p.numel) for p in m] for m in sent] == [
+            [(p.entry.key, p.start, p.numel) for p in m]
+            for m in messages(pieces_of(s.plans[0], lambda i: True, r), message_bytes)
+        ]
+        rows = Rows()  # rank r's rows: its messages' parts are of its own plan's entries
+        for parts in sent:
+            assert message_size(parts) <= max(message_bytes, 64)
+            buf = torch.empty(message_size(parts), dtype=torch.uint8)
+            payload = pack_message(parts, buf, rows)
+            sink.write_rows(payload.view(1, -1), parts)
+    assert sink.outputs is not None
+    for key in s.fulls:
+        want = _expected(s, key, torch.float16 if key != "buf" else None)
+        assert torch.equal(sink.outputs[key], want), key
+
+
+class _OneRank:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_rank0_knows_every_ranks_load_range_from_the_plan_round(layout) -> None:
+    s = LAYOUTS[layout]([(5, 2), (3, 3), (1, 1)], 3)
+    for r, plan in enumerate(s.plans):
+        rows = {src.index: src.rank for src in plan.sources if src.group is not None}
+        for key, e in s.plans[0].entries.items():
+            assert engine_load.range_of(e, rows) == own_range(plan.entries[key]), (key, r)
+
+
+def test_buckets_hold_only_rank0s_groups_when_rank0_only() -> None:
+    s = fake_plans.fsdp2([(4, 4)], 2)
+    assert len(my_buckets(s.plans[1], 16, rank0_only=True)) == 1  # GROUP holds rank 0
+    plan = s.plans[1]
+    other = type(plan.sources[0])(**{**plan.sources[0].__dict__, "group_ranks": (2, 3)})
+    plan.sources[0] = other
+    assert my_buckets(plan, 16, rank0_only=True) == []
+
+
+# ------------------------------------------------------------------ control plane, one rank
+
+
+def test_one_rank_rounds_are_free_and_a_failure_is_raised_as_it_is() -> None:
+    with _dist.Call("test", datetime.timedelta(seconds=5)) as call:
+        assert call.round("a", payload=3, gather="rank0") == 3
+        assert call.round("b", payload=3, gather="all") == [3]
+        call.round("c", count=1)
+        assert call.count == 1
+    one_second = datetime.timedelta(seconds=1)
+    with (
+        pytest.raises(sg.CollectiveError, match="rank 0: ValueError: boom") as info,
+        _dist.Call("test", one_second),
+    ):
+        raise ValueError("boom")
+    assert isinstance(info.value.__cause__, ValueError)  # the traceback shows the cause
+    with pytest.raises(sg.CheckpointError, match="bad"), _dist.Call("test", one_second):
+        raise sg.CheckpointError("bad")  # ours: as it is
+
+
+def test_the_agreed_error_keeps_a_common_class_and_names_every_rank() -> None:
+    recs = [
+        {"rank": 1, "type": "CheckpointError", "message": "bad header"},
+        {"rank": 0, "type": "CheckpointError", "message": "bad header"},
+    ]
+    err = _dist.agreed_error("load", recs, [])
+    assert type(err) is sg.CheckpointError and _dist.is_agreed(err)
+    assert str(err).index("rank 0") < str(err).index("rank 1")
+    mixed = _dist.agreed_error(
+        "save", [*recs[:1], {"rank": 2, "type": None, "message": "OSError"}], []
+    )
+    assert type(mixed) is sg.CollectiveError
+    missing = _dist.agreed_error("save", [], [3, 5])
+    assert type(missing) is sg.CollectiveError and "ranks 3, 5 did not arrive" in str(missing)
+    mism = _dist.agreed_error(
+        "load",
+        [{"rank": 0, "type": "StateDictMismatchError", "message": "m", "fields": [["a"], [], {}]}],
+        [],
+    )
+    assert isinstance(mism, sg.StateDictMismatchError) and mism.missing_keys == ["a"]
+
+
+def test_bad_timeouts_are_refused() -> None:
+    with pytest.raises(sg.ShardGatherError, match="timeout"):
+        sg.full_state_dict(torch.nn.Linear(2, 2), timeout=5)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the pinned staging pool
+
+
+def test_the_staging_pool_keeps_slabs_up_to_its_cap_and_releases(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Pinned memory needs CUDA; the pool's bookkeeping is the same on plain tensors.
+    monkeypatch.setattr(staging, "_KEPT", [])
+    monkeypatch.setenv("SHARDGATHER_PINNED_CACHE_MB", "1")
+    made: list[int] = []
+
+    def allocate(n: int) -> torch.Tensor:
+        made.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    monkeypatch.setattr(staging, "_allocate", allocate)
+    with staging.slabs(2) as lent:
+        a = lent.get(0, 600_000)
+        lent.get(1, 300_000)
+        assert lent.get(0, 500_000).data_ptr() == a.data_ptr()  # fits: reused
+        lent.get(0, 700_000)  # grows: the old slab goes back to the pool at the end
+    assert staging.kept_bytes() <= 2**20  # the cap: the largest that fit, the rest freed
+    assert staging.kept_bytes() == 700_000 + 300_000
+    with staging.slabs(1) as lent:
+        lent.get(0, 200_000)
+    assert made == [600_000, 300_000, 700_000]  # the second call allocated nothing
+    staging.release()
+    assert staging.kept_bytes() == 0

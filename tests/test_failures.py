@@ -1,0 +1,323 @@
+"""One way to fail: a rank that raises, dies or is stuck at any point of a call makes
+every rank raise — the same error, naming the failed rank — within the call's timeout
+(+ 15 s), never a hang; the same processes then make the next call. And the calls are
+cheap to agree: the collectives (rounds) a repeated call issues are counted.
+
+Real gloo processes; each scenario's worker is next to its test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+import shardgather as sg
+
+from . import dist_harness
+from .builders import build
+from .compare import diff_state_dicts
+
+pytestmark = pytest.mark.distributed
+
+SLACK_S = 15  # the "small constant" of "within the call's timeout"
+
+
+def _timed(fn) -> tuple[str | None, str, float]:  # type: ignore[no-untyped-def]
+    t = time.monotonic()
+    try:
+        fn()
+        return None, "", time.monotonic() - t
+    except sg.ShardGatherError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t
+
+
+def _next_call_works(model, plain_sd, path: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """The same processes, the next calls: a gather, a collective save, a load."""
+    problems: list[str] = []
+    got = sg.full_state_dict(model, transport="collective")
+    if dist.get_rank() == 0:
+        problems += ["gather: " + p for p in diff_state_dicts(got, plain_sd)]
+    sg.save_full_state_dict(model, path, transport="collective")
+    if dist.get_rank() == 0:
+        problems += [
+            "save: " + p for p in diff_state_dicts(sg.load_file(path), plain_sd, order=False)
+        ]
+    sg.load_full_state_dict(model, path)
+    return problems
+
+
+def raises_mid_save_worker(rank: int, world: int, path: str, where: str) -> dict:  # type: ignore[type-arg]
+    """Rank 1 raises in the middle of a collective save (its third bucket), or while
+    building its plan, or while writing its pieces (node-local)."""
+    from shardgather._engine import collective, run
+
+    model, plain = build("fsdp2", world, seed=0)
+    timeout = datetime.timedelta(seconds=60)
+    if rank == 1:
+        if where == "collective-bucket":
+            real_launch = collective.BucketGathers.launch
+
+            def launch(self, i):  # type: ignore[no-untyped-def]
+                if i == 2:
+                    raise RuntimeError("simulated failure in bucket 2")
+                return real_launch(self, i)
+
+            collective.BucketGathers.launch = launch  # type: ignore[method-assign]
+        elif where == "plan":
+            real_build = run.my_buckets
+
+            def my_buckets(*a, **k):  # type: ignore[no-untyped-def]
+                raise RuntimeError("simulated failure while planning")
+
+            run.my_buckets = my_buckets
+        else:
+            real_write = run.write_pieces
+
+            def write_pieces(*a, **k):  # type: ignore[no-untyped-def]
+                raise OSError(28, "No space left on device (simulated)")
+
+            run.write_pieces = write_pieces
+    transport = "node-local" if where == "node-local-write" else "collective"
+    raised, message, spent = _timed(
+        lambda: sg.save_full_state_dict(
+            model, path, bucket_mb=0.002, timeout=timeout, transport=transport
+        )
+    )
+    leftovers = sorted(os.listdir(os.path.dirname(path)))
+    if rank == 1:  # repaired: the next calls run
+        if where == "collective-bucket":
+            collective.BucketGathers.launch = real_launch  # type: ignore[method-assign]
+        elif where == "plan":
+            run.my_buckets = real_build
+        else:
+            run.write_pieces = real_write
+    dist.barrier()
+    problems = _next_call_works(model, plain.state_dict(), path)
+    return {
+        "raised": raised,
+        "message": message,
+        "spent": spent,
+        "leftovers": leftovers,
+        "problems": problems,
+        "timeout": timeout.total_seconds(),
+    }
+
+
+@pytest.mark.parametrize("where", ["collective-bucket", "plan", "node-local-write"])
+def test_a_rank_raising_mid_save_fails_every_rank_at_once(tmp_path, where: str) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "m.safetensors")
+    results = dist_harness.run(
+        "tests.test_failures:raises_mid_save_worker", 2, timeout=240, path=path, where=where
+    )
+    for r in results:
+        # The failing rank's own error, and everyone else's, name rank 1 and its error.
+        assert r["raised"] is not None, r
+        assert "rank 1" in r["message"] and "simulated" in r["message"], r
+        assert r["raised"] == "CollectiveError", r
+        # Not at the timeout: the latch tells every rank at once.
+        assert r["spent"] < 15, r
+        assert not r["problems"], r["problems"]
+    # Nothing under the final name and no temporary: rank 0 removed its temporary file
+    # before it raised (the failing rank may have looked before that); the directory
+    # holds only what the next, successful save wrote.
+    assert results[0]["leftovers"] == [], results[0]
+    assert os.listdir(tmp_path) == ["m.safetensors"]
+
+
+def stuck_mid_save_worker(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
+    """Rank 1 is alive but stuck (a slow disk, a debugger) past the timeout in the
+    middle of a save; when it comes back, it raises too, and the next calls work."""
+    from shardgather._engine import collective, run
+
+    model, plain = build("fsdp2", world, seed=0)
+    timeout = datetime.timedelta(seconds=4)
+    stuck_s = 9
+    if rank == 1:
+        if transport == "collective":
+            real_launch = collective.BucketGathers.launch
+
+            def launch(self, i):  # type: ignore[no-untyped-def]
+                if i == 2:
+                    time.sleep(stuck_s)
+                return real_launch(self, i)
+
+            collective.BucketGathers.launch = launch  # type: ignore[method-assign]
+        else:
+            real_write = run.write_pieces
+
+            def write_pieces(*a, **k):  # type: ignore[no-untyped-def]
+                time.sleep(stuck_s)
+                return real_write(*a, **k)
+
+            run.write_pieces = write_pieces
+    raised, message, spent = _timed(
+        lambda: sg.save_full_state_dict(
+            model, path, bucket_mb=0.002, timeout=timeout, transport=transport
+        )
+    )
+    if rank == 1:
+        if transport == "collective":
+            collective.BucketGathers.launch = real_launch  # type: ignore[method-assign]
+        else:
+            run.write_pieces = real_write
+    leftovers = sorted(os.listdir(os.path.dirname(path)))
+    # Rank 0 gave up long before rank 1 came back: wait for it on the default group,
+    # which shardgather's failure left untouched.
+    dist.barrier()
+    problems = _next_call_works(model, plain.state_dict(), path)
+    return {
+        "raised": raised,
+        "message": message,
+        "spent": spent,
+        "leftovers": leftovers,
+        "problems": problems,
+        "timeout": timeout.total_seconds(),
+        "stuck": stuck_s,
+    }
+
+
+@pytest.mark.parametrize("transport", ["collective", "node-local"])
+def test_a_stuck_rank_fails_every_rank_within_the_timeout(tmp_path, transport: str) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "m.safetensors")
+    r0, r1 = dist_harness.run(
+        "tests.test_failures:stuck_mid_save_worker", 2, timeout=240, path=path, transport=transport
+    )
+    # Rank 0 gives up after the timeout, naming rank 1; it does not wait for rank 1.
+    assert r0["raised"] == "CollectiveError" and "rank 1" in r0["message"], r0
+    assert r0["timeout"] <= r0["spent"] < r0["timeout"] + SLACK_S, r0
+    assert r0["spent"] < r0["stuck"], r0
+    # Rank 1, back, learns that the call failed (rank 0 gave up) and raises too.
+    assert r1["raised"] == "CollectiveError" and "rank 0" in r1["message"], r1
+    for r in (r0, r1):
+        assert not r["problems"], r["problems"]  # the same processes: the next calls work
+    assert r0["leftovers"] == []
+
+
+def dies_mid_save_worker(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
+    from shardgather._engine import collective, run
+
+    model, _ = build("fsdp2", world, seed=0)
+    timeout = datetime.timedelta(seconds=20)
+    if rank == 1:
+        if transport == "collective":
+            real_launch = collective.BucketGathers.launch
+
+            def launch(self, i):  # type: ignore[no-untyped-def]
+                if i == 2:
+                    os._exit(3)
+                return real_launch(self, i)
+
+            collective.BucketGathers.launch = launch  # type: ignore[method-assign]
+        else:
+            run.write_pieces = lambda *a, **k: os._exit(3)
+    raised, message, spent = _timed(
+        lambda: sg.save_full_state_dict(
+            model, path, bucket_mb=0.002, timeout=timeout, transport=transport
+        )
+    )
+    return {
+        "raised": raised,
+        "message": message,
+        "spent": spent,
+        "leftovers": sorted(os.listdir(os.path.dirname(path))),
+        "timeout": timeout.total_seconds(),
+    }
+
+
+@pytest.mark.parametrize("transport", ["collective", "node-local"])
+def test_a_rank_dying_mid_save_fails_the_others_within_the_timeout(
+    tmp_path, transport: str
+) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "m.safetensors")
+    r0, _ = dist_harness.run(
+        "tests.test_failures:dies_mid_save_worker",
+        2,
+        timeout=240,
+        path=path,
+        transport=transport,
+        _allow_missing=(1,),
+    )
+    assert r0["raised"] == "CollectiveError" and "rank 1" in r0["message"], r0
+    assert r0["spent"] < r0["timeout"] + SLACK_S, r0
+    assert r0["leftovers"] == [], r0
+
+
+# ------------------------------------------------------------------ what a call costs
+
+
+_TORCH_COLLECTIVES = (
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+    "monitored_barrier",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "gather",
+    "scatter",
+    "reduce",
+    "all_to_all",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "new_group",
+)
+
+
+def counting_worker(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """Rounds and torch collectives of the first and of repeated calls, on one host."""
+    from shardgather import _dist
+
+    model, _ = build("fsdp2", world, seed=0)
+    counts = {name: 0 for name in _TORCH_COLLECTIVES}
+    for name in _TORCH_COLLECTIVES:
+        real = getattr(dist, name)
+
+        def counted(*a, real=real, name=name, **k):  # type: ignore[no-untyped-def]
+            counts[name] += 1
+            return real(*a, **k)
+
+        setattr(dist, name, counted)
+
+    def measure(fn) -> dict:  # type: ignore[no-untyped-def,type-arg]
+        before = dict(counts)
+        with _dist.counting() as c:
+            fn()
+        return {"rounds": c["rounds"], "torch": sum(counts[k] - before[k] for k in counts)}
+
+    out = {}
+    for verb, fn in {
+        "full_state_dict": lambda: sg.full_state_dict(model),
+        "save_full_state_dict": lambda: sg.save_full_state_dict(model, path),
+        "load_full_state_dict": lambda: sg.load_full_state_dict(model, path),
+    }.items():
+        out[verb] = [measure(fn) for _ in range(3)]
+    gatherer = sg.Gatherer(model)
+    out["Gatherer.full_state_dict"] = [measure(gatherer.full_state_dict) for _ in range(3)]
+    gatherer.close()
+    return out
+
+
+def test_repeated_calls_on_one_host_take_at_most_three_rounds_and_no_collective(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run(
+        "tests.test_failures:counting_worker", 2, path=str(tmp_path / "m.safetensors")
+    )
+    for r in results:
+        for verb, calls in r.items():
+            first, *repeated = calls
+            for c in repeated:
+                # Plan agreement (+ hand-off), completion, and for a file its publication.
+                assert c["rounds"] <= 3 and c["torch"] == 0, (verb, calls)
+            # The first call of the job also agrees on hosts and probes the memfd.
+            assert first["rounds"] <= 5 and first["torch"] == 0, (verb, calls)
+        assert r["full_state_dict"][1]["rounds"] == 2, r
+        assert r["Gatherer.full_state_dict"][1]["rounds"] == 2, r
+        assert r["save_full_state_dict"][1]["rounds"] == 3, r
