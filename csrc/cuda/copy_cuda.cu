@@ -125,15 +125,18 @@ void copy_cuda(const char* op, const at::Tensor& shards, int64_t first_row,
 
   const int64_t num_fulls = static_cast<int64_t>(fulls.size());
   const int64_t num_segments = segments.size(0);
-  at::Tensor meta =
-      at::empty({num_fulls + num_segments * kSegmentCols + num_runs * 3}, segments.options());
+  // The table is staged in pinned memory and copied without blocking the host: a
+  // pageable source would make every launch wait for the copy (and for the stream).
+  at::Tensor meta = at::empty({num_fulls + num_segments * kSegmentCols + num_runs * 3},
+                              segments.options().pinned_memory(true));
   int64_t* m = meta.data_ptr<int64_t>();
   for (int64_t i = 0; i < num_fulls; ++i) m[i] = device_address(fulls[i]);
   std::copy_n(segments.data_ptr<int64_t>(), num_segments * kSegmentCols, m + num_fulls);
   std::copy_n(runs.data_ptr<int64_t>(), num_runs * 3, m + num_fulls + num_segments * kSegmentCols);
-  // A pageable source makes this copy complete before it returns, so `meta`
-  // may die at the end of this scope.
-  const at::Tensor meta_dev = meta.to(shards.device());
+  // Asynchronous on the current stream. `meta` may die at the end of this scope: a
+  // pinned block copied with non_blocking records an event on the stream, and the
+  // caching host allocator does not hand the block out again before that event.
+  const at::Tensor meta_dev = meta.to(shards.device(), meta.scalar_type(), /*non_blocking=*/true);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   copy_kernel<kOut><<<static_cast<unsigned>(num_runs), kThreads, 0, stream>>>(
