@@ -24,7 +24,7 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-from ._engine.staging import release as release_staging
+from ._engine.snapshot import AsyncSave
 from ._options import Transport
 from .api import (
     LoadResult,
@@ -33,12 +33,14 @@ from .api import (
     load_file,
     load_full_optim_state_dict,
     load_full_state_dict,
+    release_staging,
     save_full_state_dict,
 )
 from .checkpoint import load_checkpoint, save_checkpoint
 from .stream import Gatherer, iter_full_tensors
 
 __all__ = [
+    "AsyncSave",
     "BuildError",
     "CheckpointError",
     "CollectiveError",

@@ -38,7 +38,6 @@ import json
 import os
 import pickle
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -63,7 +62,6 @@ STATS = {
 }
 
 _PREFIX = "shardgather/"
-_POLL_MAX_S = 0.05  # a round's polling interval grows to this; failures seen that fast
 _POISON_TAG = 2**31 - 7  # no message of ours ever uses it
 
 
@@ -232,6 +230,10 @@ class Call:
         try:
             self._set(f"failed/{self.rank}", json.dumps(_failure_record(exc, self.rank)))
             self.store.add(self._key("nfailed"), 1)
+            # Wake the ranks waiting in a round: they are in this rank's current round
+            # or the next one (no rank passes a round this rank has not reached).
+            for k in (self.rounds, self.rounds + 1):
+                self._set(f"{k}/all", b"1")
         except Exception:  # the store is gone (rank 0 died): nothing more to tell
             pass
         if self.uses_data_group:
@@ -354,22 +356,20 @@ class Call:
         return None
 
     def _wait_all(self, k: str) -> list[int]:
-        """Poll until every rank arrived at round ``k`` (returns []), any rank failed
-        (returns []: the caller raises), or the timeout passed (returns who is missing)."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        delay = 0.0002
+        """Wait until every rank arrived at round ``k`` or any rank failed (returns [];
+        the caller reads the latch), or the timeout passed (returns who is missing).
+
+        A blocking wait in the store (it answers the moment the key appears, no polling
+        delay): a failing rank sets this key itself after posting its error (see
+        :meth:`fail`), so waiters wake at once and find the latch set."""
         done = self._key(k + "all")
-        nfailed = self._key("nfailed")
-        while not self.store.check([done]):
-            if self.store.add(nfailed, 0) > 0:
+        try:
+            self.store.wait([done], self.timeout)
+            return []
+        except Exception:
+            if self.store.check([done]):  # raised only now (and the store answers)
                 return []
-            if time.monotonic() > deadline:
-                return [
-                    r for r in range(self.world) if not self.store.check([self._key(k + f"at/{r}")])
-                ]
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
-        return []
+        return [r for r in range(self.world) if not self.store.check([self._key(k + f"at/{r}")])]
 
     # ----------------------------------------------------------------- data waits
 

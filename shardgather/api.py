@@ -17,8 +17,9 @@ from torch import nn
 
 from ._dist import Call
 from ._engine import load as L
-from ._engine import run
+from ._engine import run, snapshot, staging
 from ._engine.sinks import Files, HostDict, file_set
+from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
@@ -103,6 +104,13 @@ def full_state_dict(
     return with_aliases(plan, outputs)
 
 
+def release_staging() -> None:
+    """Free what shardgather keeps for reuse between calls: pinned slabs (CUDA), and
+    the snapshot buffers of ``blocking=False`` saves (each model's own bytes)."""
+    staging.release()
+    snapshot.release()
+
+
 def with_aliases(plan: GatherPlan, outputs: Mapping[str, Any] | None) -> dict[str, Any]:
     """Every key of the plan, in order, tied aliases sharing their primary's tensor."""
     if outputs is None:
@@ -124,7 +132,11 @@ def save_full_state_dict(
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
     shared_filesystem: bool = False,
-) -> None:
+    blocking: bool = True,
+    in_flight: str = "wait",
+    reuse_staging: bool = True,
+    max_snapshot_mb: float | None = None,
+) -> AsyncSave | None:
     """Write the full, unwrapped state dict to one safetensors file, or to the sharded
     directory Hugging Face's ``save_pretrained`` writes, streaming.
 
@@ -166,6 +178,25 @@ def save_full_state_dict(
         shared_filesystem: ``path`` is on a filesystem every host mounts (NFS,
             Lustre, GPFS...): ranks on other hosts then pwrite their own pieces into
             the file too, instead of sending them to rank 0.
+        blocking: False: return as soon as every rank has copied its own pieces aside
+            (one memcpy of its shard, into staging reused from the previous save); a
+            thread of each rank writes and fsyncs them while training goes on — the
+            optimizer may step at once, the file holds the values at call time. Returns
+            an :class:`AsyncSave`: call its ``wait()`` on every rank to agree and
+            publish (the next save of the model does it otherwise). Needs the
+            node-local transport (one host, or ``shared_filesystem=True``); elsewhere
+            the data is written at call time (warned once).
+        in_flight: what a save does while an earlier ``blocking=False`` save of the
+            same model is still pending: ``"wait"`` finishes it first, ``"error"``
+            raises.
+        reuse_staging: keep the snapshot buffer (the rank's own bytes) for the next
+            save of this model: the next snapshot is then a plain memcpy into memory
+            already faulted in (or pinned). ``shardgather.release_staging()`` frees it.
+        max_snapshot_mb: at most this much staging; pieces beyond it are written at
+            call time (the call blocks for them).
+
+    Returns:
+        None, or (``blocking=False``) the :class:`AsyncSave` handle.
 
     Raises:
         ShardGatherError: bad arguments; CheckpointError: rank 0 cannot create the
@@ -177,6 +208,7 @@ def save_full_state_dict(
         ...     model, "out/llama", max_shard_size="5GB", key_map={"": "model."},
         ...     files={"config.json": hf_config.to_dict()})
     """
+    snapshot.settle(model, in_flight)
     with Call("save_full_state_dict", timeout) as call:
         opts = Options(
             dtype=dtype,
@@ -188,7 +220,22 @@ def save_full_state_dict(
         )
         plan = build_plan(check_model(model), dtype=dtype)
         fs = file_set(plan, path, **_file_options(plan, metadata, max_shard_size, files, key_map))
-        run.gather(call, plan, Files(fs, what="save_full_state_dict"), opts)
+        sink = Files(fs, what="save_full_state_dict")
+        if blocking:
+            run.gather(call, plan, sink, opts)
+            return None
+        keep: list[Any] = []
+        buffer = snapshot.buffer_for(model, "model", keep, reuse_staging)
+        later = snapshot.gather_later(call, plan, sink, opts, buffer, _cap(max_snapshot_mb))
+    return snapshot.start(model, AsyncSave(call, [later], owner=id(model), keep=keep))
+
+
+def _cap(max_snapshot_mb: float | None) -> int | None:
+    if max_snapshot_mb is None:
+        return None
+    if not max_snapshot_mb >= 0:
+        raise ShardGatherError(f"max_snapshot_mb must be >= 0, got {max_snapshot_mb}")
+    return int(max_snapshot_mb * 2**20)
 
 
 def _file_options(

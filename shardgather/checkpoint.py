@@ -31,8 +31,9 @@ from torch import nn
 
 from ._dist import Call
 from ._engine import load as L
-from ._engine import run
+from ._engine import run, snapshot
 from ._engine.sinks import Files, file_set
+from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
@@ -67,7 +68,10 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     shared_filesystem: bool = False,
-) -> None:
+    blocking: bool = True,
+    in_flight: str = "wait",
+    reuse_staging: bool = True,
+) -> AsyncSave | None:
     """Save model, optimizer state and ``extra`` to the directory ``path``, atomically.
 
     Call on every rank. Everything is written into a temporary directory beside
@@ -79,6 +83,12 @@ def save_checkpoint(
     (tensors, numbers, strings, lists, dicts) unless told to trust the file.
     ``shared_filesystem``: as for :func:`save_full_state_dict`.
 
+    ``blocking=False``: as for :func:`save_full_state_dict` — every rank copies its own
+    shard of the model and of the optimizer state aside (``extra`` is serialised now),
+    the optimizer may step at once, and the returned :class:`AsyncSave`'s ``wait()``
+    (on every rank, or the next save of the model) publishes the directory.
+    ``in_flight``, ``reuse_staging``: as there.
+
     Raises:
         ShardGatherError: a param group holds a value JSON cannot carry.
         CheckpointError / CollectiveError: nothing was written (see the message).
@@ -87,20 +97,88 @@ def save_checkpoint(
         >>> shardgather.save_checkpoint("ckpt/step_1000", model, optimizer,
         ...                             extra={"step": 1000, "rng": torch.get_rng_state()})
     """
+    snapshot.settle(model, in_flight)
+    final = os.path.abspath(os.fspath(path))
     with Call("save_checkpoint", timeout) as call:
         opts = Options(timeout=timeout, shared_filesystem=shared_filesystem)
         plan = build_plan(check_model(model))
         st = state_plan(call, model, optimizer) if optimizer is not None else None
-        tmp = _temporary_dir(call, os.path.abspath(os.fspath(path)))
-        try:
-            _save_into(call, tmp, plan, st, extra, opts)
-            if call.rank == 0:
-                publish_dir(tmp, os.path.abspath(os.fspath(path)))
-            call.round("published")
-        except BaseException:
+        tmp = _temporary_dir(call, final)
+
+        def remove() -> None:
             if call.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+        try:
+            small = _small_files(call, st, extra)  # their values at call time
+            if blocking:
+                run.gather(call, plan, _files(plan, tmp, MODEL_FILE), opts)
+                if st is not None:
+                    run.gather(call, st.plan, _files(st.plan, tmp, OPTIM_FILE), opts)
+                for name, data in small.items():
+                    _write_durably(os.path.join(tmp, name), data)
+                if call.rank == 0:
+                    publish_dir(tmp, final)
+                call.round("published")
+                return None
+            keep: list[Any] = []
+            laters = [
+                snapshot.gather_later(
+                    call,
+                    plan,
+                    _files(plan, tmp, MODEL_FILE),
+                    opts,
+                    snapshot.buffer_for(model, "model", keep, reuse_staging),
+                )
+            ]
+            if st is not None:
+                laters.append(
+                    snapshot.gather_later(
+                        call,
+                        st.plan,
+                        _files(st.plan, tmp, OPTIM_FILE),
+                        opts,
+                        snapshot.buffer_for(model, "optim", keep, reuse_staging),
+                    )
+                )
+        except BaseException:
+            remove()
             raise
+    writes = [
+        lambda name=name, data=data: _write_durably(os.path.join(tmp, name), data)
+        for name, data in small.items()
+    ]
+    handle = AsyncSave(
+        call,
+        laters,
+        background=writes,
+        publish=lambda: publish_dir(tmp, final),
+        abort=remove,
+        owner=id(model),
+        keep=keep,
+    )
+    return snapshot.start(model, handle)
+
+
+def _files(plan: GatherPlan, tmp: str, name: str) -> Files:
+    return Files(file_set(plan, os.path.join(tmp, name)), what="save_checkpoint")
+
+
+def _small_files(
+    call: Call, st: O.StatePlan | None, extra: dict[str, Any] | None
+) -> dict[str, bytes]:
+    """Rank 0's small files, as bytes: the optimizer's groups and scalars (JSON) and
+    ``extra`` (torch.save); other ranks write none."""
+    if call.rank != 0:
+        return {}
+    out = {}
+    if st is not None:
+        meta = {"param_groups": st.param_groups, "scalars": st.scalars, "elements": st.elements}
+        out[OPTIM_META] = json_values.dumps(meta, "optimizer state")
+    buf = io.BytesIO()
+    torch.save(extra or {}, buf)
+    out[EXTRA_FILE] = buf.getvalue()
+    return out
 
 
 def _temporary_dir(call: Call, final: str) -> str:
@@ -118,34 +196,6 @@ def _temporary_dir(call: Call, final: str) -> str:
                 "the parent directory exists and is writable on rank 0; nothing was written."
             ) from exc
     return call.round("directory", payload=tmp, gather="rank0")
-
-
-def _save_into(
-    call: Call,
-    tmp: str,
-    plan: GatherPlan,
-    st: O.StatePlan | None,
-    extra: dict[str, Any] | None,
-    opts: Options,
-) -> None:
-    run.gather(
-        call,
-        plan,
-        Files(file_set(plan, os.path.join(tmp, MODEL_FILE)), what="save_checkpoint"),
-        opts,
-    )
-    if st is not None:
-        fs = file_set(st.plan, os.path.join(tmp, OPTIM_FILE))
-        run.gather(call, st.plan, Files(fs, what="save_checkpoint"), opts)
-    if call.rank == 0:
-        if st is not None:
-            meta = {"param_groups": st.param_groups, "scalars": st.scalars, "elements": st.elements}
-            _write_durably(
-                os.path.join(tmp, OPTIM_META), json_values.dumps(meta, "optimizer state")
-            )
-        buf = io.BytesIO()
-        torch.save(extra or {}, buf)
-        _write_durably(os.path.join(tmp, EXTRA_FILE), buf.getvalue())
 
 
 @dataclass

@@ -254,3 +254,67 @@ def test_trainer_strategy_saves_consolidated_and_resumes_bit_exactly(tmp_path) -
     )
     extra = torch.load(os.path.join(ckpt, "extra.pt"), weights_only=True)
     assert extra["global_step"] == 2 and extra["hyper_parameters"] == {"d": 12}
+
+
+def _save_every(n: int, root: str):  # type: ignore[no-untyped-def]
+    """The README's recipe: a callback that saves in the background every n steps."""
+    import lightning as L
+
+    class SaveEvery(L.Callback):
+        def __init__(self) -> None:
+            self.handle = None
+            self.blocked: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if trainer.global_step % n == 0:
+                import time
+
+                t = time.perf_counter()
+                self.handle = sg.save_checkpoint(
+                    os.path.join(root, str(trainer.global_step)),
+                    module,
+                    trainer.optimizers[0],
+                    extra={"step": trainer.global_step},
+                    blocking=False,
+                )
+                self.blocked.append(time.perf_counter() - t)
+
+        def on_train_end(self, trainer, module):  # type: ignore[no-untyped-def]
+            if self.handle is not None:
+                self.handle.wait()
+
+    return SaveEvery()
+
+
+def trainer_async_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[type-arg]
+    """Saves every 2 steps in the background while the Trainer trains on: each
+    checkpoint holds the state of its step, as an uninterrupted run reaches it."""
+    _lightning_env(rank, world)
+    want = {}
+    for steps in (2, 4):
+        run = _trainer(world, steps)
+        run.fit(_lit_module())
+        want[steps] = sg.full_state_dict(run.strategy.model)
+    trainer = _trainer(world, 4)
+    saver = _save_every(2, root)
+    trainer.callbacks.append(saver)
+    trainer.fit(_lit_module())
+    problems: list[str] = []
+    for steps in (2, 4):
+        if rank == 0:
+            sd = sg.load_file(os.path.join(root, str(steps), "model.safetensors"))
+            problems += [
+                f"step {steps}: " + p for p in diff_state_dicts(sd, want[steps], order=False)
+            ]
+            got_extra = torch.load(os.path.join(root, str(steps), "extra.pt"), weights_only=True)
+            if got_extra != {"step": steps}:
+                problems.append(f"extra {got_extra}")
+    return {"problems": problems, "blocked": saver.blocked}
+
+
+def test_trainer_saves_in_the_background_every_n_steps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run("tests.test_lightning:trainer_async_worker", 2, root=str(tmp_path))
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert sorted(os.listdir(tmp_path)) == ["2", "4"]
+    assert all(len(r["blocked"]) == 2 for r in results)

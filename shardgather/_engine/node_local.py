@@ -109,11 +109,14 @@ def warn_once(msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
-def unusable_because(plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool) -> str | None:
-    """Why the node-local transport cannot serve this plan (None: it can)."""
+def unusable_because(
+    plan: GatherPlan, rank0_only: bool, *, need_contiguous: bool, into_memory: bool
+) -> str | None:
+    """Why the node-local transport cannot serve this plan (None: it can).
+    ``into_memory``: the destination is shared memory (else a file)."""
     if not rank0_only:
         return "rank0_only=False"
-    if all(e.source.group is None for e in plan.entries.values()):
+    if into_memory and all(e.source.group is None for e in plan.entries.values()):
         return "nothing is sharded"  # plain tensors: private memory, no shared region
     if need_contiguous:
         for e in plan.entries.values():

@@ -19,6 +19,7 @@ raised on every rank (``_dist``); the sink's ``abort`` removes what it made.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from .._dist import Call, data_group
 from .._options import Options, Progress, Transport
 from .._plan import GatherPlan
 from . import node_local
-from .buckets import bucket_parts, my_buckets
+from .buckets import Bucket, bucket_parts, my_buckets
 from .collective import BucketGathers, gather_buckets
 from .pieces import pieces_of, write_pieces
 from .remote import receive_pieces, send_pieces
@@ -50,18 +51,40 @@ def gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) 
     """Every primary entry of ``plan`` into ``sink``; returns ``sink.finish``'s result.
     Collective: every rank, same plan (the plan round checks it)."""
     try:
-        return _gather(call, plan, sink, opts)
+        way = route(call, plan, sink, opts)
+        move(call, plan, sink, opts, way)
+        return finish(call, sink)
     except BaseException:
         sink.abort(call)
         raise
 
 
-def _gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -> Any:
+@dataclass
+class Route:
+    """What the plan round settled: the transport, and who does what in it."""
+
+    local: bool  # node-local (else collective)
+    remote: list[int]  # ranks that send their pieces to rank 0
+    writes_pieces: bool  # this rank writes its own pieces to the sink's targets
+    receives: bool  # this rank receives (whole entries, buckets, messages)
+    group: Any  # the data group, where host bytes travel (None: not needed)
+    buckets: list[Bucket]
+
+    def participating(self, plan: GatherPlan) -> Callable[[int], bool]:
+        # rank0_only: only the shard groups holding rank 0 take part (one HSDP replica)
+        return lambda i: 0 in plan.sources[i].group_ranks
+
+
+def route(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -> Route:
+    """Choose the transport and set the sink up, with the plan round: rank 0 decides
+    (it alone knows its free shared memory and which shard groups take part) and
+    prepares the sink (regions, temporary files); the round agrees on the plan and
+    hands rank 0's choice and names to everyone, who then open what rank 0 made."""
     is_dict = isinstance(sink, HostDict)
     why: str | None = "collective"
     if opts.transport != Transport.COLLECTIVE:
         why = node_local.unusable_because(
-            plan, opts.rank0_only, need_contiguous=sink.pieces_need_contiguous
+            plan, opts.rank0_only, need_contiguous=sink.pieces_need_contiguous, into_memory=is_dict
         )
         if why is None and is_dict and opts.pin_memory:
             why = "pin_memory=True"
@@ -70,21 +93,17 @@ def _gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options)
     if why is None:  # the same answer on every rank: same plan, same options, same caches
         hosts = node_local.host_ids(call, probe_memfd=is_dict)
         memfd = is_dict and node_local.memfd_shareable(call)
-
-    def participating(i: int) -> bool:  # rank0_only: only the shard groups holding rank 0
-        return 0 in plan.sources[i].group_ranks
-
     payload = None
     if call.rank == 0:
         if why is None and is_dict and not memfd:
             free, need = node_local.shm_free_bytes(), sink.shm_bytes
             if free < need + 64 * 2**20:
                 why = f"{node_local.SHM_DIR} has {free >> 20} MiB free, {need >> 20} MiB needed"
-        # Rank 0 names the ranks that send it their pieces: only its own plan shows
-        # which shard groups take part (other HSDP replicas see other groups).
         senders = []
         if why is None and not opts.shared_filesystem:
-            senders = node_local.remote_ranks(call, plan, participating)
+            senders = node_local.remote_ranks(
+                call, plan, lambda i: 0 in plan.sources[i].group_ranks
+            )
         payload = (why, sink.prepare(call, why is None, memfd), senders)
     why, handoff, remote = call.round(
         "plan", same=plan.fingerprint, payload=payload, gather="rank0"
@@ -103,32 +122,37 @@ def _gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options)
     same_host = opts.shared_filesystem or not hosts or hosts[call.rank] == hosts[0]
     writes_pieces = local and call.rank not in remote and same_host
     sink.open(call, local, handoff, writes_pieces)
-
     receives = call.rank == 0 if local else (not opts.rank0_only or call.rank == 0)
+    return Route(local, remote, writes_pieces, receives, group, buckets)
+
+
+def move(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options, way: Route) -> None:
+    """The data phase, then each rank flushes its own writes."""
     total = sum(e.nbytes for e in plan.entries.values())
-    bar = Progress(opts.progress and receives, total, f"shardgather: {call.what}")
+    bar = Progress(opts.progress and way.receives, total, f"shardgather: {call.what}")
+    participating = way.participating(plan)
     try:
-        if receives:
+        if way.receives:
             for e in plan.entries.values():
                 if e.source.group is None:  # held whole by every rank: no transport
                     sink.write_whole(e)
                     bar.update(e.nbytes)
         message_bytes = opts.bucket_bytes(on_cuda(plan))
-        if local:
+        if way.local:
             mine = pieces_of(plan, participating)
-            if call.rank in remote:
-                send_pieces(call, mine, message_bytes, group)
-            elif writes_pieces:
+            if call.rank in way.remote:
+                send_pieces(call, mine, message_bytes, way.group)
+            elif way.writes_pieces:
                 write_pieces(mine, sink.target)
             if call.rank == 0:
                 bar.update(sum(pc.numel * pc.entry.target_dtype.itemsize for pc in mine))
-                for sender in remote:
+                for sender in way.remote:
                     theirs = pieces_of(plan, participating, sender)
-                    receive_pieces(call, sender, theirs, message_bytes, group, sink)
+                    receive_pieces(call, sender, theirs, message_bytes, way.group, sink)
         else:
             by_source = plan.entries_by_source()
             for bucket, rows in gather_buckets(
-                call, buckets, lambda b: receives, to_one=opts.rank0_only, group=group
+                call, way.buckets, lambda b: way.receives, to_one=opts.rank0_only, group=way.group
             ):
                 if rows is not None:
                     parts = bucket_parts(bucket, by_source)
@@ -137,10 +161,15 @@ def _gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options)
         sink.flush()
     finally:
         bar.close()
+
+
+def finish(call: Call, sink: HostDict | Files) -> Any:
+    """The done round (every rank's data is in place), then the sink's result; a file
+    is published by rank 0 and agreed on (it exists for everyone once this returns)."""
     call.round("done")
     result = sink.finish(call)
     if isinstance(sink, Files):
-        call.round("published")  # the output exists for everyone once the call returns
+        call.round("published")
     return result
 
 

@@ -297,7 +297,7 @@ class Files:
             _ops.copy_out(rows, 0, L.segment_table(segs), [slab])
             if rows.is_cuda:
                 torch.cuda.current_stream(rows.device).synchronize()
-        for fd, s_off, f_off, n in _coalesce(writes):
+        for fd, s_off, f_off, n in coalesce(writes):
             pwrite_from(fd, slab[s_off : s_off + n], f_off)
 
     def _slab(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -361,7 +361,7 @@ class Files:
         self._rank0_fds = []
 
 
-def _coalesce(writes: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+def coalesce(writes: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
     out: list[tuple[int, int, int, int]] = []
     for fd, s, f, n in sorted(writes, key=lambda w: (w[0], w[2])):
         if (

@@ -1,0 +1,315 @@
+"""Save while training runs: the node-local transport, split in time.
+
+A save's data phase is each rank writing its own pieces to their final offsets in the
+file. Here it is cut in two: at call time each rank copies its own pieces aside (a
+**snapshot**: one memcpy of its shard, cast if asked, into a reused staging buffer;
+on CUDA, the copy kernel writes pinned staging on a side stream that the training's
+stream then waits for) — and that is all training waits for. A background thread of
+each rank then pwrites the snapshot where it belongs and fsyncs: no collective runs in
+the background (a collective from a second thread would race the training loop's own).
+The done round, the publication (rename) and its round run when the caller asks
+(:meth:`AsyncSave.wait`), or at the next save of the same model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._dist import Call
+from .._plan import Entry, GatherPlan
+from ..errors import CollectiveError, ShardGatherError
+from ..io.safetensors_format import pwrite_from
+from . import node_local
+from .pieces import Piece, Rows, cast_into, copy_whole, pieces_of
+from .run import Route, move, route
+from .sinks import Files, coalesce
+
+# Staging kept between saves, per (model, what): a reused buffer is already faulted in
+# (or pinned), so the next snapshot is a plain memcpy.
+_KEPT: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def release() -> None:
+    """Free every kept snapshot buffer."""
+    _KEPT.clear()
+
+
+def _buffer(owner: int, what: str, nbytes: int, pinned: bool) -> torch.Tensor:
+    cur = _KEPT.pop((owner, what), None)
+    if cur is None or cur.numel() < nbytes or cur.is_pinned() != pinned:
+        cur = None  # freed before the new one is made
+        cur = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+    return cur
+
+
+class Snapshot:
+    """This rank's bytes of one save, copied aside now and written later.
+
+    ``writes``: ``(fd, file offset, buffer offset, bytes)``; pieces beyond ``cap`` bytes
+    are not snapshotted but written at once (the call then blocks for them)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.writes: list[tuple[int, int, int, int]] = []
+        self.ready: torch.cuda.Event | None = None  # CUDA: the snapshot copies are done
+
+    def take(
+        self,
+        whole: list[Entry],
+        pieces: list[Piece],
+        target: Callable[[Entry], tuple[int, int]],
+        buffer: Callable[[int, bool], torch.Tensor],
+        cap: int | None,
+    ) -> None:
+        rows = Rows()
+        sizes = [e.nbytes for e in whole] + [
+            pc.numel * pc.entry.target_dtype.itemsize for pc in pieces
+        ]
+        on_cuda = any(rows.piece(pc).is_cuda for pc in pieces)
+        room = sum(sizes) if cap is None else min(sum(sizes), cap)
+        self.buffer = buffer(room, on_cuda)
+        off = 0
+        for e in whole:  # small (buffers, unsharded params): assembled in plain order
+            full = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
+            copy_whole(e, full)
+            n = e.nbytes
+            if off + n > room:
+                fd, at = target(e)
+                pwrite_from(fd, full.contiguous().reshape(-1).view(torch.uint8), at)
+                continue
+            self.buffer[off : off + n].copy_(full.contiguous().reshape(-1).view(torch.uint8))
+            fd, at = target(e)
+            self.writes.append((fd, at, off, n))
+            off += n
+        side = torch.cuda.Stream() if on_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the shards as they are now
+        for pc in pieces:
+            e = pc.entry
+            size = e.target_dtype.itemsize
+            n = pc.numel * size
+            fd, at = target(e)
+            chunk = rows.piece(pc)
+            if off + n > room:  # over the cap: this piece goes to the file now
+                from .pieces import write_pieces
+
+                write_pieces([pc], target)
+                continue
+            if side is not None and chunk.is_cuda:
+                with torch.cuda.stream(side):
+                    cast_into(chunk, e.target_dtype, self.buffer[off : off + n])
+            else:
+                cast_into(chunk, e.target_dtype, self.buffer[off : off + n])
+            self.writes.append((fd, at + pc.dst_elem * size, off, n))
+            off += n
+        if side is not None:
+            self.ready = torch.cuda.Event()
+            self.ready.record(side)
+            # Training's next kernels (the optimizer step) wait for the copies to have
+            # read the shards; the host does not.
+            torch.cuda.current_stream().wait_event(self.ready)
+
+    def write(self) -> None:
+        """The background part: every snapshotted byte to its place in the file."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        runs = coalesce([(fd, off, at, n) for fd, at, off, n in self.writes])
+        for fd, off, at, n in runs:  # (fd, buffer offset, file offset, bytes)
+            pwrite_from(fd, self.buffer[off : off + n], at)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for *_, n in self.writes)
+
+
+class Later:
+    """One gather into files whose data phase was snapshotted: ``write`` is the
+    background part (pwrites and fsync of this rank's own bytes); the done round and
+    the sink's publication are :meth:`AsyncSave.wait`'s."""
+
+    def __init__(self, call: Call, sink: Files, snapshot: Snapshot | None) -> None:
+        self.call, self.sink, self.snapshot = call, sink, snapshot
+
+    def write(self) -> None:
+        if self.snapshot is not None:
+            self.snapshot.write()
+            self.sink.flush()
+
+
+def gather_later(
+    call: Call,
+    plan: GatherPlan,
+    sink: Files,
+    opts: Any,
+    buffer: Callable[[int, bool], torch.Tensor],
+    cap: int | None = None,
+) -> Later:
+    """Route ``plan`` into ``sink`` and snapshot this rank's part of the data phase.
+    Where the node-local transport cannot run (ranks on other hosts without a shared
+    filesystem, non-contiguous sharded entries, ``transport="collective"``) the data
+    moves now, synchronously (warned once): only the publication is left for later."""
+    try:
+        way: Route = route(call, plan, sink, opts)
+        if not way.local or way.remote:
+            node_local.warn_once(
+                "shardgather: blocking=False needs the node-local transport on every writing "
+                "rank (one host, or shared_filesystem=True, and contiguous entries); this "
+                "save wrote its data now"
+            )
+            move(call, plan, sink, opts, way)
+            return Later(call, sink, None)
+        snap = Snapshot()
+        whole = [e for e in plan.entries.values() if e.source.group is None] if way.receives else []
+        mine = pieces_of(plan, way.participating(plan)) if way.writes_pieces else []
+        snap.take(whole, mine, sink.target, buffer, cap)
+        return Later(call, sink, snap)
+    except BaseException:
+        sink.abort(call)
+        raise
+
+
+class AsyncSave:
+    """A save running in the background (``save_full_state_dict(..., blocking=False)``,
+    ``save_checkpoint(..., blocking=False)``): every rank copied its own bytes aside
+    at call time; a thread of its own writes and fsyncs them.
+
+    Call :meth:`wait` on every rank (it agrees that every rank's writes succeeded and
+    publishes the output atomically), or let the next save of the same model do it.
+    """
+
+    def __init__(
+        self,
+        call: Call,
+        laters: list[Later],
+        *,
+        background: list[Callable[[], None]] = (),  # type: ignore[assignment]
+        publish: Callable[[], None] | None = None,
+        abort: Callable[[], None] | None = None,
+        owner: int = 0,
+        keep: list[tuple[tuple[int, str], torch.Tensor]] | None = None,
+    ) -> None:
+        self._call, self._laters = call, laters
+        self._background = [la.write for la in laters] + list(background)
+        self._publish, self._abort = publish, abort
+        self._keep = keep or []
+        self._owner = owner
+        self._error: BaseException | None = None
+        self._outcome: BaseException | None = None
+        self._finished = False
+        self._thread = threading.Thread(
+            target=self._write, name=f"shardgather {call.what}", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            for step in self._background:
+                step()
+        except BaseException as exc:  # surfaced by wait() on every rank
+            self._error = exc
+
+    def done(self) -> bool:
+        """Whether this rank's background writes have finished (no agreement: the
+        other ranks may still be writing; :meth:`wait` agrees)."""
+        return not self._thread.is_alive()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes this rank copied aside at call time."""
+        return sum(la.snapshot.nbytes for la in self._laters if la.snapshot is not None)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        """Finish the save on every rank: wait for this rank's writes (at most
+        ``timeout``, default the save's), agree that every rank's succeeded, publish.
+        Collective: every rank calls it. A second call returns (or raises the same
+        error) at once.
+
+        Raises:
+            ShardGatherError: a rank's background write failed (a full disk...), it
+                died, or did not finish in time — on every rank. Nothing is published
+                (no temporary left, the previous output intact); the next save works.
+        """
+        if self._finished:
+            if self._outcome is not None:
+                raise self._outcome
+            return
+        self._finished = True
+        limit = timeout or self._call.timeout
+        call = self._call
+        try:
+            with call:
+                self._thread.join(limit.total_seconds())
+                if self._thread.is_alive():
+                    raise CollectiveError(
+                        f"{call.what}: this rank's background writes did not finish within {limit}"
+                    )
+                if self._error is not None:
+                    raise self._error
+                call.round("done")
+                for later in self._laters:
+                    later.sink.finish(call)
+                if self._publish is not None and call.rank == 0:
+                    self._publish()
+                call.round("published")
+        except BaseException as exc:
+            self._outcome = exc if isinstance(exc, ShardGatherError) else None
+            for later in self._laters:
+                later.sink.abort(call)
+            if self._abort is not None:
+                self._abort()
+            raise
+        finally:
+            _IN_FLIGHT.pop(self._owner, None)
+            for key, buf in self._keep:
+                _KEPT[key] = buf  # for the next snapshot of this model
+
+
+# One save in flight per model: id(model) -> its pending save.
+_IN_FLIGHT: dict[int, AsyncSave] = {}
+
+
+def settle(model: Any, in_flight: str) -> None:
+    """Before a save of ``model``: finish the one still in flight (``"wait"``, every
+    rank, collectively), or refuse (``"error"``)."""
+    pending = _IN_FLIGHT.get(id(model))
+    if pending is None:
+        return
+    if in_flight == "error":
+        raise ShardGatherError(
+            "a background save of this model is still in flight: call its wait() first, "
+            'or pass in_flight="wait"'
+        )
+    pending.wait()
+
+
+def start(model: Any, save: AsyncSave) -> AsyncSave:
+    """Record ``save`` as ``model``'s save in flight (one at a time)."""
+    _IN_FLIGHT[id(model)] = save
+    weakref.finalize(model, _IN_FLIGHT.pop, id(model), None)
+    return save
+
+
+def buffer_for(
+    model: Any, what: str, keep: list[tuple[tuple[int, str], torch.Tensor]], reuse: bool
+) -> Callable[[int, bool], torch.Tensor]:
+    """A snapshot buffer maker for ``model``'s ``what`` (model, optim): the kept one when
+    it fits (``reuse``); the buffer is kept again when the save is done."""
+
+    def make(nbytes: int, pinned: bool) -> torch.Tensor:
+        key = (id(model), what)
+        buf = (
+            _buffer(key[0], what, nbytes, pinned)
+            if reuse
+            else torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        )
+        if reuse:
+            keep.append((key, buf))
+        return buf
+
+    return make
