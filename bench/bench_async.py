@@ -135,18 +135,31 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
         _step(net, opt, x)
         steps += 1
     alone = steps / (time.perf_counter() - t)
-    during = []
-    for _ in range(args.repeats):
-        dist.barrier()
-        h = sg.save_full_state_dict(model, f"{root}/async.safetensors", blocking=False)
-        t = time.perf_counter()
-        steps = 0
-        while not h.done():
-            _step(net, opt, x)
-            steps += 1
-        spent = time.perf_counter() - t
-        h.wait()
-        during.append({"steps": steps, "window_s": spent, "steps_per_s": steps / spent})
+    during: dict[str, list[dict]] = {}
+    for pace in [None, *args.write_mb_per_s]:
+        name = "disk's pace" if pace is None else f"{pace:g} MB/s"
+        during[name] = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            h = sg.save_full_state_dict(
+                model, f"{root}/async.safetensors", blocking=False, write_mb_per_s=pace
+            )
+            t = time.perf_counter()
+            steps = 0
+            while not h.done():
+                _step(net, opt, x)
+                steps += 1
+            spent = time.perf_counter() - t
+            h.wait()
+            durable = time.perf_counter() - t
+            during[name].append(
+                {
+                    "steps": steps,
+                    "window_s": spent,
+                    "steps_per_s": steps / spent,
+                    "durable_s": durable,
+                }
+            )
 
     # Verification: the file holds the values at call time, whatever happens after.
     want = sg.full_state_dict(model)
@@ -175,6 +188,13 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--train-s", type=float, default=3.0, help="seconds of training alone")
+    ap.add_argument(
+        "--write-mb-per-s",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also train during saves written at these paces (MB/s per rank)",
+    )
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -215,14 +235,27 @@ def main() -> None:
         "durable / sync": durable / sync_t,
     }
     alone = min(r["train_alone_steps_per_s"] for r in per_rank)
-    during = min(statistics.median(d["steps_per_s"] for d in r["train_during"]) for r in per_rank)
-    ratios["train steps/s during / alone"] = during / alone
+    training = {}
+    for pace in per_rank[0]["train_during"]:
+        runs = [r["train_during"][pace] for r in per_rank]
+        during = min(statistics.median(d["steps_per_s"] for d in rs) for rs in runs)
+        window = max(statistics.median(d["window_s"] for d in rs) for rs in runs)
+        durable = max(statistics.median(d["durable_s"] for d in rs) for rs in runs)
+        training[pace] = {
+            "steps_per_s": during,
+            "ratio": during / alone,
+            "window_s": window,
+            "durable_s": durable,
+        }
+    ratios["train steps/s during / alone"] = training["disk's pace"]["ratio"]
     for k, v in ratios.items():
         print(f"{k:36s} {v:10.3f}")
-    print(
-        f"training: {alone:.1f} steps/s alone, {during:.1f} while a save is written; "
-        f"windows {[round(d['window_s'], 2) for d in per_rank[0]['train_during']]} s"
-    )
+    print(f"training alone: {alone:.1f} steps/s; while a save is written in the background:")
+    for pace, t in training.items():
+        print(
+            f"  {pace:14s} {t['steps_per_s']:7.1f} steps/s ({t['ratio']:.2f}), window "
+            f"{t['window_s']:.2f} s, durable after {t['durable_s']:.2f} s (training all along)"
+        )
     print(f"verified: {per_rank[0]['verified']}")
     if args.json:
         out = {
@@ -235,7 +268,7 @@ def main() -> None:
             },
             "rows_s": {k: {"blocked": b, "durable": d} for k, (b, d) in rows.items()},
             "ratios": ratios,
-            "train_steps_per_s": {"alone": alone, "during": during},
+            "train_steps_per_s": {"alone": alone, "during": training},
             "per_rank": per_rank,
             "verified": per_rank[0]["verified"],
         }

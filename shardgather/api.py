@@ -136,6 +136,7 @@ def save_full_state_dict(
     in_flight: str = "wait",
     reuse_staging: bool = True,
     max_snapshot_mb: float | None = None,
+    write_mb_per_s: float | None = None,
 ) -> AsyncSave | None:
     """Write the full, unwrapped state dict to one safetensors file, or to the sharded
     directory Hugging Face's ``save_pretrained`` writes, streaming.
@@ -194,6 +195,10 @@ def save_full_state_dict(
             already faulted in (or pinned). ``shardgather.release_staging()`` frees it.
         max_snapshot_mb: at most this much staging; pieces beyond it are written at
             call time (the call blocks for them).
+        write_mb_per_s: the background writer's pace per rank (None: the disk's). The
+            aligned bulk of the snapshot goes to the disk with O_DIRECT (no copy, next
+            to no CPU), but the disk's traffic itself may slow training on a machine
+            with no core or I/O to spare; a pace trades time to durability for that.
 
     Returns:
         None, or (``blocking=False``) the :class:`AsyncSave` handle.
@@ -226,8 +231,18 @@ def save_full_state_dict(
             return None
         keep: list[Any] = []
         buffer = snapshot.buffer_for(model, "model", keep, reuse_staging)
-        later = snapshot.gather_later(call, plan, sink, opts, buffer, _cap(max_snapshot_mb))
+        later = snapshot.gather_later(
+            call, plan, sink, opts, buffer, _cap(max_snapshot_mb), write_rate(write_mb_per_s)
+        )
     return snapshot.start(model, AsyncSave(call, [later], owner=id(model), keep=keep))
+
+
+def write_rate(write_mb_per_s: float | None) -> float | None:
+    if write_mb_per_s is None:
+        return None
+    if not write_mb_per_s > 0:
+        raise ShardGatherError(f"write_mb_per_s must be > 0, got {write_mb_per_s}")
+    return write_mb_per_s * 2**20
 
 
 def _cap(max_snapshot_mb: float | None) -> int | None:

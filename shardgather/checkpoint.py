@@ -37,7 +37,7 @@ from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
-from .api import state_plan
+from .api import state_plan, write_rate
 from .errors import CheckpointError, StateDictMismatchError
 from .io import json_values
 from .io.publish import publish_dir
@@ -71,6 +71,7 @@ def save_checkpoint(
     blocking: bool = True,
     in_flight: str = "wait",
     reuse_staging: bool = True,
+    write_mb_per_s: float | None = None,
 ) -> AsyncSave | None:
     """Save model, optimizer state and ``extra`` to the directory ``path``, atomically.
 
@@ -87,7 +88,7 @@ def save_checkpoint(
     shard of the model and of the optimizer state aside (``extra`` is serialised now),
     the optimizer may step at once, and the returned :class:`AsyncSave`'s ``wait()``
     (on every rank, or the next save of the model) publishes the directory.
-    ``in_flight``, ``reuse_staging``: as there.
+    ``in_flight``, ``reuse_staging``, ``write_mb_per_s``: as there.
 
     Raises:
         ShardGatherError: a param group holds a value JSON cannot carry.
@@ -129,6 +130,7 @@ def save_checkpoint(
                     _files(plan, tmp, MODEL_FILE),
                     opts,
                     snapshot.buffer_for(model, "model", keep, reuse_staging),
+                    bytes_per_s=write_rate(write_mb_per_s),
                 )
             ]
             if st is not None:
@@ -139,6 +141,7 @@ def save_checkpoint(
                         _files(st.plan, tmp, OPTIM_FILE),
                         opts,
                         snapshot.buffer_for(model, "optim", keep, reuse_staging),
+                        bytes_per_s=write_rate(write_mb_per_s),
                     )
                 )
         except BaseException:

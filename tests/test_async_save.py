@@ -216,3 +216,14 @@ def test_plain_model_in_one_process(tmp_path) -> None:  # type: ignore[no-untype
     train_steps(model, 0, 1, opt)
     handle.wait()
     assert not diff_state_dicts(sg.load_file(tmp_path / "m.safetensors"), want, order=False)
+    # Paced (the background writer sleeps between writes) and capped (what does not fit
+    # the snapshot is written at call time): the same bytes.
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = sg.save_full_state_dict(
+        model, tmp_path / "p.safetensors", blocking=False, write_mb_per_s=50, max_snapshot_mb=0.001
+    )
+    train_steps(model, 0, 1, opt)
+    handle.wait()
+    assert not diff_state_dicts(sg.load_file(tmp_path / "p.safetensors"), want, order=False)
+    with pytest.raises(sg.ShardGatherError, match="write_mb_per_s"):
+        sg.save_full_state_dict(model, tmp_path / "x.safetensors", blocking=False, write_mb_per_s=0)

@@ -271,6 +271,11 @@ class Files:
         i, offset = self.fs.where[e.key]
         return self.out.fd(i), offset
 
+    def direct_fd(self, fd: int) -> int:
+        """The same file opened with O_DIRECT (-1 where the filesystem refuses it)."""
+        assert self.out is not None
+        return self.out.direct(fd)
+
     def write_whole(self, e: Entry) -> None:
         full = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
         copy_whole(e, full)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from .._plan import Entry, GatherPlan
 from ..errors import CollectiveError, ShardGatherError
 from ..io.safetensors_format import pwrite_from
 from . import node_local
-from .pieces import Piece, Rows, cast_into, copy_whole, pieces_of
+from .pieces import Piece, Rows, cast_into, copy_whole, pieces_of, write_pieces
 from .run import Route, move, route
 from .sinks import Files, coalesce
 
@@ -48,8 +49,17 @@ def _buffer(owner: int, what: str, nbytes: int, pinned: bool) -> torch.Tensor:
     return cur
 
 
+BLOCK = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (any device's)
+
+
 class Snapshot:
     """This rank's bytes of one save, copied aside now and written later.
+
+    Each run is placed in the buffer at an offset congruent to its file offset modulo
+    :data:`BLOCK` (a page-aligned buffer, at most a block of padding per run), so the
+    background writes its block-aligned middle with O_DIRECT — the disk reads the
+    buffer by DMA: no copy into the page cache, next to no CPU taken from training —
+    and only the unaligned head and tail of each run through the page cache.
 
     ``writes``: ``(fd, file offset, buffer offset, bytes)``; pieces beyond ``cap`` bytes
     are not snapshotted but written at once (the call then blocks for them)."""
@@ -58,6 +68,7 @@ class Snapshot:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.writes: list[tuple[int, int, int, int]] = []
         self.ready: torch.cuda.Event | None = None  # CUDA: the snapshot copies are done
+        self.direct: Callable[[int], int] = lambda fd: -1
 
     def take(
         self,
@@ -66,48 +77,48 @@ class Snapshot:
         target: Callable[[Entry], tuple[int, int]],
         buffer: Callable[[int, bool], torch.Tensor],
         cap: int | None,
+        direct: Callable[[int], int] | None = None,
     ) -> None:
         rows = Rows()
-        sizes = [e.nbytes for e in whole] + [
-            pc.numel * pc.entry.target_dtype.itemsize for pc in pieces
-        ]
-        on_cuda = any(rows.piece(pc).is_cuda for pc in pieces)
-        room = sum(sizes) if cap is None else min(sum(sizes), cap)
-        self.buffer = buffer(room, on_cuda)
+        self.direct = direct or self.direct
+        # Where each run goes: (entry or piece, fd, file offset, bytes, buffer offset).
+        plan: list[tuple[Any, int, int, int, int]] = []
         off = 0
-        for e in whole:  # small (buffers, unsharded params): assembled in plain order
-            full = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
-            copy_whole(e, full)
-            n = e.nbytes
-            if off + n > room:
-                fd, at = target(e)
-                pwrite_from(fd, full.contiguous().reshape(-1).view(torch.uint8), at)
-                continue
-            self.buffer[off : off + n].copy_(full.contiguous().reshape(-1).view(torch.uint8))
+        for item in [*whole, *pieces]:
+            e = item if isinstance(item, Entry) else item.entry
             fd, at = target(e)
-            self.writes.append((fd, at, off, n))
+            if not isinstance(item, Entry):
+                at += item.dst_elem * e.target_dtype.itemsize
+            n = e.nbytes if isinstance(item, Entry) else item.numel * e.target_dtype.itemsize
+            off += (at - off) % BLOCK  # congruent with the file offset
+            plan.append((item, fd, at, n, off))
             off += n
+        room = off if cap is None else min(off, cap)
+        on_cuda = any(rows.piece(pc).is_cuda for pc in pieces)
+        raw = buffer(room + BLOCK, on_cuda)
+        start = (-raw.data_ptr()) % BLOCK
+        self.buffer = raw[start : start + room]
         side = torch.cuda.Stream() if on_cuda else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())  # the shards as they are now
-        for pc in pieces:
-            e = pc.entry
-            size = e.target_dtype.itemsize
-            n = pc.numel * size
-            fd, at = target(e)
-            chunk = rows.piece(pc)
-            if off + n > room:  # over the cap: this piece goes to the file now
-                from .pieces import write_pieces
-
-                write_pieces([pc], target)
+        for item, fd, at, n, boff in plan:
+            if boff + n > room:  # over the cap: goes to the file now
+                if isinstance(item, Entry):
+                    pwrite_from(fd, _whole_bytes(item), at)
+                else:
+                    write_pieces([item], target)
                 continue
-            if side is not None and chunk.is_cuda:
-                with torch.cuda.stream(side):
-                    cast_into(chunk, e.target_dtype, self.buffer[off : off + n])
+            out = self.buffer[boff : boff + n]
+            if isinstance(item, Entry):  # small (buffers, unsharded params)
+                out.copy_(_whole_bytes(item))
             else:
-                cast_into(chunk, e.target_dtype, self.buffer[off : off + n])
-            self.writes.append((fd, at + pc.dst_elem * size, off, n))
-            off += n
+                chunk = rows.piece(item)
+                if side is not None and chunk.is_cuda:
+                    with torch.cuda.stream(side):
+                        cast_into(chunk, item.entry.target_dtype, out)
+                else:
+                    cast_into(chunk, item.entry.target_dtype, out)
+            self.writes.append((fd, at, boff, n))
         if side is not None:
             self.ready = torch.cuda.Event()
             self.ready.record(side)
@@ -115,17 +126,63 @@ class Snapshot:
             # read the shards; the host does not.
             torch.cuda.current_stream().wait_event(self.ready)
 
-    def write(self) -> None:
-        """The background part: every snapshotted byte to its place in the file."""
+    def write(self, bytes_per_s: float | None = None) -> None:
+        """The background part: every snapshotted byte to its place in the file, at
+        most ``bytes_per_s`` (None: as fast as the disk takes them)."""
         if self.ready is not None:
             self.ready.synchronize()
+        pace = _Pace(bytes_per_s)
         runs = coalesce([(fd, off, at, n) for fd, at, off, n in self.writes])
         for fd, off, at, n in runs:  # (fd, buffer offset, file offset, bytes)
-            pwrite_from(fd, self.buffer[off : off + n], at)
+            lo = at + (-at) % BLOCK  # the block-aligned middle [lo, hi)
+            hi = (at + n) // BLOCK * BLOCK
+            dfd = self.direct(fd) if hi - lo >= BLOCK else -1
+            if dfd >= 0:
+                try:
+                    for a in range(lo, hi, pace.step):
+                        b = min(hi, a + pace.step)
+                        pwrite_from(dfd, self.buffer[off + a - at : off + b - at], a)
+                        pace.wrote(b - a)
+                except OSError:  # the device wants a larger alignment: page cache it is
+                    self.direct = lambda fd: -1
+                    dfd = -1
+            if dfd < 0:
+                for a in range(at, at + n, pace.step):
+                    b = min(at + n, a + pace.step)
+                    pwrite_from(fd, self.buffer[off + a - at : off + b - at], a)
+                    pace.wrote(b - a)
+                continue
+            pwrite_from(fd, self.buffer[off : off + lo - at], at)
+            pwrite_from(fd, self.buffer[off + hi - at : off + n], hi)
 
     @property
     def nbytes(self) -> int:
         return sum(n for *_, n in self.writes)
+
+
+class _Pace:
+    """Writes of at most ``step`` bytes, slept between so as not to exceed a rate."""
+
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.rate = bytes_per_s
+        self.step = 1 << 62 if bytes_per_s is None else 8 * 2**20
+        self.start = time.monotonic()
+        self.done = 0
+
+    def wrote(self, n: int) -> None:
+        if self.rate is None:
+            return
+        self.done += n
+        ahead = self.start + self.done / self.rate - time.monotonic()
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def _whole_bytes(e: Entry) -> torch.Tensor:
+    """An entry every rank holds whole, in the output dtype, C-order bytes."""
+    full = torch.empty_strided(tuple(e.shape), e.stride, dtype=e.target_dtype)
+    copy_whole(e, full)
+    return full.contiguous().reshape(-1).view(torch.uint8)
 
 
 class Later:
@@ -133,12 +190,15 @@ class Later:
     background part (pwrites and fsync of this rank's own bytes); the done round and
     the sink's publication are :meth:`AsyncSave.wait`'s."""
 
-    def __init__(self, call: Call, sink: Files, snapshot: Snapshot | None) -> None:
+    def __init__(
+        self, call: Call, sink: Files, snapshot: Snapshot | None, bytes_per_s: float | None = None
+    ) -> None:
         self.call, self.sink, self.snapshot = call, sink, snapshot
+        self.bytes_per_s = bytes_per_s
 
     def write(self) -> None:
         if self.snapshot is not None:
-            self.snapshot.write()
+            self.snapshot.write(self.bytes_per_s)
             self.sink.flush()
 
 
@@ -149,6 +209,7 @@ def gather_later(
     opts: Any,
     buffer: Callable[[int, bool], torch.Tensor],
     cap: int | None = None,
+    bytes_per_s: float | None = None,
 ) -> Later:
     """Route ``plan`` into ``sink`` and snapshot this rank's part of the data phase.
     Where the node-local transport cannot run (ranks on other hosts without a shared
@@ -167,8 +228,8 @@ def gather_later(
         snap = Snapshot()
         whole = [e for e in plan.entries.values() if e.source.group is None] if way.receives else []
         mine = pieces_of(plan, way.participating(plan)) if way.writes_pieces else []
-        snap.take(whole, mine, sink.target, buffer, cap)
-        return Later(call, sink, snap)
+        snap.take(whole, mine, sink.target, buffer, cap, sink.direct_fd)
+        return Later(call, sink, snap, bytes_per_s)
     except BaseException:
         sink.abort(call)
         raise

@@ -140,23 +140,43 @@ class OpenFiles:
     def __init__(self, paths: list[str], fds: list[int] | None = None) -> None:
         self.paths = paths
         self.fds: dict[int, int] = dict(enumerate(fds)) if fds else {}
+        self.direct_fds: dict[int, int] = {}  # -1: the filesystem refuses O_DIRECT
 
     def fd(self, i: int) -> int:
         if i not in self.fds:
             self.fds[i] = os.open(self.paths[i], os.O_WRONLY)
         return self.fds[i]
 
+    def direct(self, fd: int) -> int:
+        """A descriptor of the same file opened with O_DIRECT (writes from aligned memory
+        go to the disk by DMA: no copy into the page cache, no CPU), or -1."""
+        i = next(i for i, f in self.fds.items() if f == fd)
+        if i not in self.direct_fds:
+            try:
+                self.direct_fds[i] = os.open(
+                    self.paths[i], os.O_WRONLY | getattr(os, "O_DIRECT", 0)
+                )
+            except OSError:  # e.g. tmpfs
+                self.direct_fds[i] = -1
+            if not hasattr(os, "O_DIRECT") and self.direct_fds[i] >= 0:
+                os.close(self.direct_fds[i])
+                self.direct_fds[i] = -1
+        return self.direct_fds[i]
+
     def sync(self) -> None:
         # Every writer flushes its own writes: rank 0's fsync could run before another
         # rank's pwrite reached the page cache, and the rename would outlive the data.
-        for fd in self.fds.values():
-            os.fsync(fd)
+        for fd in [*self.fds.values(), *self.direct_fds.values()]:
+            if fd >= 0:
+                os.fsync(fd)
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in [*self.fds.values(), *self.direct_fds.values()]:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.fds.clear()
+        self.direct_fds.clear()
 
 
 def create(fs: FileSet) -> tuple[str, list[str], list[int]]:
