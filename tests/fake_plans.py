@@ -33,6 +33,14 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> t
     return torch.randint(-1000, 1000, shape, generator=g).to(dtype)
 
 
+def _fulls(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """The plain model: parameters p0, p1, ... of ``shapes``, and an int64 buffer."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = {f"p{i}": _values(s, dtype, g) for i, s in enumerate(shapes)}
+    fulls["buf"] = _values((3,), torch.int64, g)
+    return fulls
+
+
 def _plan(entries: list[Entry], sources: list[Source], rank: int, world: int) -> GatherPlan:
     keys = [e.key for e in entries]
     plan = GatherPlan(keys, {e.key: e for e in entries}, {}, sources, rank, world)
@@ -64,9 +72,7 @@ def fsdp1(
     seed: int = 0,
 ) -> Sharded:
     """One flat parameter of ``shapes`` plus one buffer, sharded over ``world`` ranks."""
-    g = torch.Generator().manual_seed(seed)
-    fulls = {f"p{i}": _values(s, dtype, g) for i, s in enumerate(shapes)}
-    fulls["buf"] = _values((3,), torch.int64, g)
+    fulls = _fulls(shapes, dtype, seed)
     flat = torch.cat([fulls[f"p{i}"].reshape(-1) for i in range(len(shapes))])
     p = max(1, math.ceil(flat.numel() / world))
     padded = torch.zeros(p * world, dtype=dtype)
@@ -105,9 +111,7 @@ def fsdp2(
     seed: int = 0,
 ) -> Sharded:
     """One source per parameter (padded dim-0 shards) plus one buffer."""
-    g = torch.Generator().manual_seed(seed)
-    fulls = {f"p{i}": _values(s, dtype, g) for i, s in enumerate(shapes)}
-    fulls["buf"] = _values((3,), torch.int64, g)
+    fulls = _fulls(shapes, dtype, seed)
     rows: list[list[torch.Tensor]] = []  # [param][rank] padded row storage
     locals_: list[list[torch.Tensor]] = []  # [param][rank] the unpadded local shard
     for i, s in enumerate(shapes):

@@ -8,9 +8,11 @@ Real gloo processes; each scenario's worker is next to its test.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -50,51 +52,59 @@ def _next_call_works(model, plain_sd, path: str) -> list[str]:  # type: ignore[n
     return problems
 
 
-def raises_mid_save_worker(rank: int, world: int, path: str, where: str) -> dict:  # type: ignore[type-arg]
-    """Rank 1 raises in the middle of a collective save (its third bucket), or while
-    building its plan, or while writing its pieces (node-local)."""
+@contextlib.contextmanager
+def _fault_on_rank1(rank: int, where: str, fault: Callable[[], None]) -> Iterator[None]:
+    """On rank 1, run ``fault()`` (raise, sleep, die) at a point of a save: as it
+    launches its third bucket (``collective``), as it plans its buckets (``plan``), or
+    as it writes its pieces (``node-local``); repaired when the block ends."""
     from shardgather._engine import collective, run
 
-    model, plain = build("fsdp2", world, seed=0)
-    timeout = datetime.timedelta(seconds=60)
-    if rank == 1:
-        if where == "collective-bucket":
-            real_launch = collective.BucketGathers.launch
+    if rank != 1:
+        yield
+        return
+    if where == "collective":
+        owner, name = collective.BucketGathers, "launch"
+    elif where == "plan":
+        owner, name = run, "my_buckets"
+    else:
+        owner, name = run, "write_pieces"
+    real = getattr(owner, name)
 
-            def launch(self, i):  # type: ignore[no-untyped-def]
-                if i == 2:
-                    raise RuntimeError("simulated failure in bucket 2")
-                return real_launch(self, i)
+    def faulty(*a, **k):  # type: ignore[no-untyped-def]
+        if where != "collective" or a[1] == 2:  # (self, i): the bucket index
+            fault()
+        return real(*a, **k)
 
-            collective.BucketGathers.launch = launch  # type: ignore[method-assign]
-        elif where == "plan":
-            real_build = run.my_buckets
+    setattr(owner, name, faulty)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
 
-            def my_buckets(*a, **k):  # type: ignore[no-untyped-def]
-                raise RuntimeError("simulated failure while planning")
 
-            run.my_buckets = my_buckets
-        else:
-            real_write = run.write_pieces
-
-            def write_pieces(*a, **k):  # type: ignore[no-untyped-def]
-                raise OSError(28, "No space left on device (simulated)")
-
-            run.write_pieces = write_pieces
-    transport = "node-local" if where == "node-local-write" else "collective"
-    raised, message, spent = _timed(
+def _save(model, path: str, timeout_s: float, where: str) -> tuple[str | None, str, float]:  # type: ignore[no-untyped-def]
+    transport = "node-local" if where == "node-local" else "collective"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return _timed(
         lambda: sg.save_full_state_dict(
             model, path, bucket_mb=0.002, timeout=timeout, transport=transport
         )
     )
-    leftovers = sorted(os.listdir(os.path.dirname(path)))
-    if rank == 1:  # repaired: the next calls run
-        if where == "collective-bucket":
-            collective.BucketGathers.launch = real_launch  # type: ignore[method-assign]
-        elif where == "plan":
-            run.my_buckets = real_build
-        else:
-            run.write_pieces = real_write
+
+
+def raises_mid_save_worker(rank: int, world: int, path: str, where: str) -> dict:  # type: ignore[type-arg]
+    """Rank 1 raises in the middle of a collective save (its third bucket), or while
+    planning its buckets, or while writing its pieces (node-local)."""
+
+    def fault() -> None:
+        if where == "node-local":
+            raise OSError(28, "No space left on device (simulated)")
+        raise RuntimeError(f"simulated failure ({where})")
+
+    model, plain = build("fsdp2", world, seed=0)
+    with _fault_on_rank1(rank, where, fault):
+        raised, message, spent = _save(model, path, 60, where)
+        leftovers = sorted(os.listdir(os.path.dirname(path)))
     dist.barrier()
     problems = _next_call_works(model, plain.state_dict(), path)
     return {
@@ -103,11 +113,10 @@ def raises_mid_save_worker(rank: int, world: int, path: str, where: str) -> dict
         "spent": spent,
         "leftovers": leftovers,
         "problems": problems,
-        "timeout": timeout.total_seconds(),
     }
 
 
-@pytest.mark.parametrize("where", ["collective-bucket", "plan", "node-local-write"])
+@pytest.mark.parametrize("where", ["collective", "plan", "node-local"])
 def test_a_rank_raising_mid_save_fails_every_rank_at_once(tmp_path, where: str) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "m.safetensors")
     results = dist_harness.run(
@@ -131,39 +140,10 @@ def test_a_rank_raising_mid_save_fails_every_rank_at_once(tmp_path, where: str) 
 def stuck_mid_save_worker(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
     """Rank 1 is alive but stuck (a slow disk, a debugger) past the timeout in the
     middle of a save; when it comes back, it raises too, and the next calls work."""
-    from shardgather._engine import collective, run
-
     model, plain = build("fsdp2", world, seed=0)
-    timeout = datetime.timedelta(seconds=4)
-    stuck_s = 9
-    if rank == 1:
-        if transport == "collective":
-            real_launch = collective.BucketGathers.launch
-
-            def launch(self, i):  # type: ignore[no-untyped-def]
-                if i == 2:
-                    time.sleep(stuck_s)
-                return real_launch(self, i)
-
-            collective.BucketGathers.launch = launch  # type: ignore[method-assign]
-        else:
-            real_write = run.write_pieces
-
-            def write_pieces(*a, **k):  # type: ignore[no-untyped-def]
-                time.sleep(stuck_s)
-                return real_write(*a, **k)
-
-            run.write_pieces = write_pieces
-    raised, message, spent = _timed(
-        lambda: sg.save_full_state_dict(
-            model, path, bucket_mb=0.002, timeout=timeout, transport=transport
-        )
-    )
-    if rank == 1:
-        if transport == "collective":
-            collective.BucketGathers.launch = real_launch  # type: ignore[method-assign]
-        else:
-            run.write_pieces = real_write
+    timeout_s, stuck_s = 4, 9
+    with _fault_on_rank1(rank, transport, lambda: time.sleep(stuck_s)):
+        raised, message, spent = _save(model, path, timeout_s, transport)
     leftovers = sorted(os.listdir(os.path.dirname(path)))
     # Rank 0 gave up long before rank 1 came back: wait for it on the default group,
     # which shardgather's failure left untouched.
@@ -175,7 +155,7 @@ def stuck_mid_save_worker(rank: int, world: int, path: str, transport: str) -> d
         "spent": spent,
         "leftovers": leftovers,
         "problems": problems,
-        "timeout": timeout.total_seconds(),
+        "timeout": timeout_s,
         "stuck": stuck_s,
     }
 
@@ -198,33 +178,16 @@ def test_a_stuck_rank_fails_every_rank_within_the_timeout(tmp_path, transport: s
 
 
 def dies_mid_save_worker(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
-    from shardgather._engine import collective, run
-
     model, _ = build("fsdp2", world, seed=0)
-    timeout = datetime.timedelta(seconds=20)
-    if rank == 1:
-        if transport == "collective":
-            real_launch = collective.BucketGathers.launch
-
-            def launch(self, i):  # type: ignore[no-untyped-def]
-                if i == 2:
-                    os._exit(3)
-                return real_launch(self, i)
-
-            collective.BucketGathers.launch = launch  # type: ignore[method-assign]
-        else:
-            run.write_pieces = lambda *a, **k: os._exit(3)
-    raised, message, spent = _timed(
-        lambda: sg.save_full_state_dict(
-            model, path, bucket_mb=0.002, timeout=timeout, transport=transport
-        )
-    )
+    timeout_s = 20
+    with _fault_on_rank1(rank, transport, lambda: os._exit(3)):
+        raised, message, spent = _save(model, path, timeout_s, transport)
     return {
         "raised": raised,
         "message": message,
         "spent": spent,
         "leftovers": sorted(os.listdir(os.path.dirname(path))),
-        "timeout": timeout.total_seconds(),
+        "timeout": timeout_s,
     }
 
 

@@ -84,6 +84,23 @@ FSDP2_CASES = {
 }
 
 
+def _before_training(rank: int, model: nn.Module, plain: nn.Module, kw: dict):  # type: ignore[no-untyped-def,type-arg]
+    """The case's options, and a gather checked against the plain model (the oracle
+    before any step) and against what users do next with the dict (save it)."""
+    opts = {
+        "rank0_only": kw.get("rank0_only", True),
+        "bucket_mb": kw.get("bucket_mb"),
+        "dtype": kw.get("dtype"),
+        "transport": kw.get("transport", "auto"),
+    }
+    got = sg.full_state_dict(model, **opts)
+    problems = [
+        "before training: " + p
+        for p in check(rank, got, expected(plain, opts["dtype"]), opts["rank0_only"])
+    ]
+    return opts, got, problems + serializable(got)
+
+
 def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-arg]
     from torch.distributed.fsdp import (
         CPUOffload,
@@ -131,20 +148,8 @@ def fsdp1_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
         apply_ac(wrapped)
     if kw.get("compile"):
         wrapped = torch.compile(wrapped)
-    opts = {
-        "rank0_only": kw.get("rank0_only", True),
-        "bucket_mb": kw.get("bucket_mb"),
-        "dtype": kw.get("dtype"),
-        "transport": kw.get("transport", "auto"),
-    }
-
     # 1. Right after wrapping (lazy init not run): the plain model is the oracle.
-    got = sg.full_state_dict(wrapped, **opts)
-    problems = [
-        "before training: " + p
-        for p in check(rank, got, expected(plain, opts["dtype"]), opts["rank0_only"])
-    ]
-    problems += serializable(got)
+    opts, got, problems = _before_training(rank, wrapped, plain, kw)
 
     if not kw.get("train", True):
         return {"problems": problems, "keys": len(got)}
@@ -214,18 +219,7 @@ def fsdp2_case(rank: int, world: int, case: str) -> dict:  # type: ignore[type-a
     for b in model.blocks:
         fully_shard(b, **shard_kw)
     fully_shard(model, **shard_kw)
-    opts = {
-        "rank0_only": kw.get("rank0_only", True),
-        "bucket_mb": kw.get("bucket_mb"),
-        "dtype": kw.get("dtype"),
-        "transport": kw.get("transport", "auto"),
-    }
-    got = sg.full_state_dict(model, **opts)
-    problems = [
-        "before training: " + p
-        for p in check(rank, got, expected(plain, opts["dtype"]), opts["rank0_only"])
-    ]
-    problems += serializable(got)
+    opts, got, problems = _before_training(rank, model, plain, kw)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     train_steps(model, rank, 2, opt)
