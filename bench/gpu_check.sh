@@ -23,7 +23,7 @@ python3 -c "import shardgather, json; print(json.dumps(shardgather.build_info())
 log "cuda tests"
 # The GPU machine may have no package index: use pytest-timeout only where installed.
 TIMEOUT_ARG=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120" || true)
-timeout 180 python3 -m pytest -q -m cuda tests/test_ops.py tests/test_cuda.py $TIMEOUT_ARG 2>&1 | tail -30 | tee "$OUT/pytest_cuda.txt"
+timeout 240 python3 -m pytest -q -m cuda tests/test_ops.py tests/test_cuda.py $TIMEOUT_ARG 2>&1 | tail -30 | tee "$OUT/pytest_cuda.txt"
 log "op bench"
 timeout 120 python3 bench/bench_ops.py --device cuda --json "$OUT/gpu-ops.json" 2>&1 | tail -30 | tee "$OUT/bench_ops.txt"
 log "gather bench"

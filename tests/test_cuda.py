@@ -73,3 +73,38 @@ def test_gather_save_load_on_gpu(tmp_path, flavour: str, transport: str) -> None
         assert not diff_state_dicts(sg.full_state_dict(other), plain.state_dict())
 
     _nccl_world_1(tmp_path, body)
+
+
+@pytest.mark.parametrize("flavour", ["fsdp1", "fsdp2"])
+def test_async_save_on_gpu_holds_the_values_at_call_time(tmp_path, flavour: str) -> None:  # type: ignore[no-untyped-def]
+    """The snapshot of CUDA shards (a copy kernel into pinned staging on a side stream
+    that the training stream then waits for): a step right after the call is not in
+    the file."""
+    import shardgather as sg
+
+    from .compare import diff_state_dicts
+    from .models import TinyLM
+
+    def body() -> None:
+        torch.manual_seed(0)
+        model = TinyLM().cuda()
+        if flavour == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            model = FSDP(model, device_id=torch.cuda.current_device())
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for i in range(2):  # the second snapshot reuses the pinned buffer
+            want = sg.full_state_dict(model)
+            path = tmp_path / f"m{i}.safetensors"
+            handle = sg.save_full_state_dict(model, path, blocking=False)
+            tokens = torch.randint(0, 37, (2, 5), device="cuda")
+            model(tokens).float().pow(2).mean().backward()
+            opt.step()
+            handle.wait()
+            assert not diff_state_dicts(sg.load_file(path), want, order=False)
+
+    _nccl_world_1(tmp_path, body)
