@@ -126,9 +126,14 @@ def test_the_pieces_of_all_ranks_tile_every_entry(layout, shapes, world) -> None
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("cast", [False, True], ids=["same-dtype", "bf16"])
-def test_node_local_pieces_written_by_each_rank_make_the_file(tmp_path, layout, cast) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("io", ["page-cache", "direct", "direct-refused"])
+def test_node_local_pieces_written_by_each_rank_make_the_file(tmp_path, layout, cast, io) -> None:  # type: ignore[no-untyped-def]
     out_dtype = torch.bfloat16 if cast else None
-    s = LAYOUTS[layout]([(7, 3), (1, 4), (0, 2), (5, 5)], 3, out_dtype=out_dtype)
+    # Big enough for blocks of O_DIRECT in the middle of pieces; a bf16 tensor of odd
+    # size first, so later tensors start at offsets that are not even element-aligned
+    # to 4 bytes, let alone to blocks.
+    shapes = [(7, 3), (1, 4), (0, 2), (3001, 7), (5, 5), (4099, 3)]
+    s = LAYOUTS[layout](shapes, 3, out_dtype=out_dtype)
     fs = file_set(s.plans[0], tmp_path / "m.safetensors")
     sink = Files(fs, what="test")
     handoff = sink.prepare(None, True, False)  # type: ignore[arg-type]
@@ -136,8 +141,17 @@ def test_node_local_pieces_written_by_each_rank_make_the_file(tmp_path, layout, 
     for e in s.plans[0].entries.values():
         if e.source.group is None:
             sink.write_whole(e)
+    direct = None
+    if io == "direct":
+        direct = sink.direct_fd
+    elif io == "direct-refused":  # the device refuses: what failed goes through the cache
+        refusing = os.open(fs.final + ".ro", os.O_RDONLY | os.O_CREAT, 0o600)
+        direct = lambda fd: refusing  # noqa: E731
     for plan in s.plans:  # each "rank" pwrites its own pieces, as node-local does
-        write_pieces(pieces_of(plan, lambda i: True), sink.target)
+        write_pieces(pieces_of(plan, lambda i: True), sink.target, direct)
+    if io == "direct-refused":
+        os.close(refusing)
+        os.unlink(fs.final + ".ro")
     sink.flush()
     sink.finish(_OneRank(0))  # type: ignore[arg-type]
     got = sg.load_file(tmp_path / "m.safetensors")

@@ -143,7 +143,7 @@ def move(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options, wa
             if call.rank in way.remote:
                 send_pieces(call, mine, message_bytes, way.group)
             elif way.writes_pieces:
-                write_pieces(mine, sink.target)
+                write_pieces(mine, sink.target, getattr(sink, "direct_fd", None))
             if call.rank == 0:
                 bar.update(sum(pc.numel * pc.entry.target_dtype.itemsize for pc in mine))
                 for sender in way.remote:

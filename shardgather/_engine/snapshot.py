@@ -27,7 +27,16 @@ from .._plan import Entry, GatherPlan
 from ..errors import CollectiveError, ShardGatherError
 from ..io.safetensors_format import pwrite_from
 from . import node_local
-from .pieces import Piece, Rows, cast_into, copy_whole, pieces_of, write_pieces
+from .pieces import (
+    BLOCK,
+    Piece,
+    Rows,
+    cast_into,
+    copy_whole,
+    direct_io_enabled,
+    pieces_of,
+    write_pieces,
+)
 from .run import Route, move, route
 from .sinks import Files, coalesce
 
@@ -47,9 +56,6 @@ def _buffer(owner: int, what: str, nbytes: int, pinned: bool) -> torch.Tensor:
         cur = None  # freed before the new one is made
         cur = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
     return cur
-
-
-BLOCK = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (any device's)
 
 
 class Snapshot:
@@ -136,7 +142,7 @@ class Snapshot:
         for fd, off, at, n in runs:  # (fd, buffer offset, file offset, bytes)
             lo = at + (-at) % BLOCK  # the block-aligned middle [lo, hi)
             hi = (at + n) // BLOCK * BLOCK
-            dfd = self.direct(fd) if hi - lo >= BLOCK else -1
+            dfd = self.direct(fd) if hi - lo >= BLOCK and direct_io_enabled() else -1
             if dfd >= 0:
                 try:
                     for a in range(lo, hi, pace.step):
