@@ -200,11 +200,13 @@ class Call:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             return False
-        if self.uses_data_group:
-            _poison_data_group(self)  # release every peer still blocked on this rank
-        if is_agreed(exc):
-            return False  # every rank raises this one already
-        if self.distributed and isinstance(exc, Exception) and self.failure is None:
+        if is_agreed(exc) or self.failure is not None:
+            # Known to every rank already (or posted when this rank failed): only
+            # release the peers still blocked on a message from this rank.
+            if self.uses_data_group:
+                _poison_data_group(self)
+            return False if is_agreed(exc) else self._reraise(exc)
+        if self.distributed and isinstance(exc, Exception):
             # Another rank failed first: what broke here (a message to it refused, the
             # data group closed under us) is its consequence. Raise the agreed error.
             try:
@@ -213,8 +215,16 @@ class Call:
                 earlier = []
             if earlier:
                 self.failure = exc
+                if self.uses_data_group:
+                    _poison_data_group(self)
                 self.raise_failures(own=False)
+        # Post first, then close the data group: a peer released by the closing must
+        # find this rank's error in the latch, not guess at a dead rank.
         self.fail(exc)
+        return self._reraise(exc)
+
+    def _reraise(self, exc: BaseException) -> bool:
+        """The error this rank raises for its own failure (``__exit__``'s result)."""
         if not isinstance(exc, Exception) or isinstance(exc, ShardGatherError):
             return False  # KeyboardInterrupt & co. as they are; ours unchanged
         raise CollectiveError(f"{self.what} failed on rank {self.rank}: {_describe(exc)}") from exc
