@@ -82,7 +82,7 @@ def train_steps(
         loss = model(batch(rank, s)).float().pow(2).mean()
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def make_optimizer(model: nn.Module, name: str = "adamw") -> torch.optim.Optimizer:

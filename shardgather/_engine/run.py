@@ -109,7 +109,9 @@ def route(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -
         "plan", same=plan.fingerprint, payload=payload, gather="rank0"
     )
     local = why is None
-    if not local and opts.transport == Transport.NODE_LOCAL:
+    # Nothing sharded means nothing to move either way: no fallback worth a warning.
+    sharded = any(s.group is not None for s in plan.sources)
+    if not local and opts.transport == Transport.NODE_LOCAL and sharded:
         node_local.warn_once(
             f"shardgather: node-local transport unavailable ({why}); using collectives"
         )
