@@ -19,7 +19,9 @@ repeat, the first repeat a warm-up), medians; per rank, then the slower rank:
   output is a sharded DCP directory, not one file.
 
 Training throughput: a small training loop (an MLP with AdamW, local to each rank) runs
-alone, and right after an async save's call until that rank's background writes end.
+alone (``--train-s``), and right after an async save's call until that rank's background
+writes end (at the disk's pace, and at each ``--write-mb-per-s``) — alternated, rotated
+every repeat, because this VM's speed drifts between minutes.
 
 Every shardgather file is checked bit-exactly once: parameters perturbed in place right
 after the call, the file must hold the values at call time.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -38,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,41 +129,49 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
             if r > 0:
                 got[n].append(res)
 
-    # Training throughput alone, then while an async save is written in the background.
+    # Training throughput alone and while an async save is written in the background,
+    # alternated (rotated order every repeat): this VM drifts between minutes.
     net, opt, x = _trainer()
     for _ in range(3):
         _step(net, opt, x)
-    t = time.perf_counter()
-    steps = 0
-    while time.perf_counter() - t < args.train_s:
-        _step(net, opt, x)
-        steps += 1
-    alone = steps / (time.perf_counter() - t)
-    during: dict[str, list[dict]] = {}
+
+    def train_alone() -> dict:
+        dist.barrier()
+        t = time.perf_counter()
+        steps = 0
+        while time.perf_counter() - t < args.train_s:
+            _step(net, opt, x)
+            steps += 1
+        return {"steps_per_s": steps / (time.perf_counter() - t)}
+
+    def train_during(pace: float | None) -> dict:
+        dist.barrier()
+        h = sg.save_full_state_dict(
+            model, f"{root}/async.safetensors", blocking=False, write_mb_per_s=pace
+        )
+        t = time.perf_counter()
+        steps = 0
+        while not h.done():
+            _step(net, opt, x)
+            steps += 1
+        spent = time.perf_counter() - t
+        h.wait()
+        durable = time.perf_counter() - t
+        return {
+            "steps": steps,
+            "window_s": spent,
+            "steps_per_s": steps / spent,
+            "durable_s": durable,
+        }
+
+    cases: list[tuple[str, Any]] = [("alone", train_alone)]
     for pace in [None, *args.write_mb_per_s]:
         name = "disk's pace" if pace is None else f"{pace:g} MB/s"
-        during[name] = []
-        for _ in range(args.repeats):
-            dist.barrier()
-            h = sg.save_full_state_dict(
-                model, f"{root}/async.safetensors", blocking=False, write_mb_per_s=pace
-            )
-            t = time.perf_counter()
-            steps = 0
-            while not h.done():
-                _step(net, opt, x)
-                steps += 1
-            spent = time.perf_counter() - t
-            h.wait()
-            durable = time.perf_counter() - t
-            during[name].append(
-                {
-                    "steps": steps,
-                    "window_s": spent,
-                    "steps_per_s": steps / spent,
-                    "durable_s": durable,
-                }
-            )
+        cases.append((name, functools.partial(train_during, pace)))
+    during: dict[str, list[dict]] = {name: [] for name, _ in cases}
+    for r in range(args.repeats):
+        for name, fn in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            during[name].append(fn())
 
     # Verification: the file holds the values at call time, whatever happens after.
     want = sg.full_state_dict(model)
@@ -176,8 +188,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
         "own_bytes": own_bytes,
         "first_async": first,
         "results": got,
-        "train_alone_steps_per_s": alone,
-        "train_during": during,
+        "train": during,
         "verified": verified,
     }
 
@@ -187,7 +198,9 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--train-s", type=float, default=3.0, help="seconds of training alone")
+    ap.add_argument(
+        "--train-s", type=float, default=1.0, help="seconds of training alone, per repeat"
+    )
     ap.add_argument(
         "--write-mb-per-s",
         type=float,
@@ -234,10 +247,12 @@ def main() -> None:
         "blocked / dcp blocked": blocked / rows["dcp.async_save (default stager)"][0],
         "durable / sync": durable / sync_t,
     }
-    alone = min(r["train_alone_steps_per_s"] for r in per_rank)
+    alone = min(statistics.median(d["steps_per_s"] for d in r["train"]["alone"]) for r in per_rank)
     training = {}
-    for pace in per_rank[0]["train_during"]:
-        runs = [r["train_during"][pace] for r in per_rank]
+    for pace in per_rank[0]["train"]:
+        if pace == "alone":
+            continue
+        runs = [r["train"][pace] for r in per_rank]
         during = min(statistics.median(d["steps_per_s"] for d in rs) for rs in runs)
         window = max(statistics.median(d["window_s"] for d in rs) for rs in runs)
         durable = max(statistics.median(d["durable_s"] for d in rs) for rs in runs)
