@@ -321,8 +321,9 @@ class Call:
                         CollectiveError(
                             f"ranks hold different {name} ({first.decode()} on another rank, "
                             f"{same} here): the model is not the same on every rank (different "
-                            "wrapping, shapes or process groups). Every rank must call "
-                            "shardgather with the same sharded model."
+                            "wrapping, shapes, process groups, or an optimizer's param "
+                            "groups). Every rank must call shardgather with the same "
+                            "sharded model (and optimizer)."
                         )
                     )
             self._set(k + f"at/{self.rank}", pickle.dumps(payload))

@@ -488,34 +488,22 @@ def load_full_optim_state_dict(
         if osd:
             skeleton, tensors = _optim_skeleton(plan, groups, osd)
             source = L.DictSource(tensors)
-        agreed = L.plan_round(call, plan, source is not None, opts, extra=skeleton)
+        # A rank without osd checks its groups only through this round (too late after).
+        also = O.groups_fingerprint(groups)
+        agreed = L.plan_round(call, plan, source is not None, opts, extra=skeleton, also_same=also)
         param_groups, scalars, elements = skeleton if skeleton is not None else agreed.rank0_extra
         load_plan, rows = O.load_state_plan(plan, groups, elements)
         state = L.Loading(load_plan, source)
-        state.take(_element_shapes(plan, elements))
+        state.take(O.element_shapes(plan, elements))
         L.move(call, [state], agreed, opts)
         call.round("done")
         loaded = O.LoadedState(rows, scalars, elements, param_groups)
         optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded))
 
 
-def _element_shapes(
-    plan: GatherPlan, elements: Mapping[str, Mapping[str, torch.dtype]]
-) -> L.Shapes:
-    """The optimizer-state plan's entries as a source describes them."""
-    return {
-        f"{name}/{key}": (tuple(plan.entries[key].shape), dtype)
-        for key, names in elements.items()
-        for name, dtype in names.items()
-    }
-
-
 def _optim_skeleton(
     plan: GatherPlan, groups: list[list[O.ParamRef]], osd: dict[str, Any]
-) -> tuple[
-    tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, torch.dtype]]],
-    dict[str, torch.Tensor],
-]:
+) -> tuple[O.Skeleton, dict[str, torch.Tensor]]:
     """(param groups, scalars, element-wise dtypes) and the element-wise tensors of a
     full optimizer state dict, checked against the optimizer."""
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:

@@ -43,6 +43,7 @@ from .io import json_values
 from .io.publish import publish_dir
 from .io.safetensors_format import read_header
 from .io.sources import stored_tensors
+from .io.stored import StoredTensor
 
 MODEL_FILE, OPTIM_FILE, OPTIM_META, EXTRA_FILE = (
     "model.safetensors",
@@ -262,14 +263,13 @@ def _torch_load(path: str, trust_pickle: bool) -> Any:
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
 
 
-def _optimizer_loading(
-    plan: GatherPlan,
-    groups: list[list[O.ParamRef]],
-    saved: _SavedOptimizer,
-) -> tuple[L.Loading, O.LoadedState]:
-    """The optimizer state of a checkpoint as a loading into fresh rows, checked
-    against the optimizer first (groups, and every element-wise state shaped like its
-    parameter)."""
+def _optimizer_skeleton(
+    plan: GatherPlan, groups: list[list[O.ParamRef]], saved: _SavedOptimizer
+) -> tuple[O.Skeleton, dict[str, StoredTensor]]:
+    """The optimizer state of a checkpoint, checked against the optimizer (groups, and
+    every element-wise state shaped like its parameter): its skeleton (param groups,
+    scalars, element dtypes: what rank 0 hands ranks that cannot see the directory)
+    and where its tensors are stored."""
     O.check_groups(groups, saved.param_groups)
     tensors = stored_tensors(saved.path)
     elements: dict[str, dict[str, torch.dtype]] = {}
@@ -289,10 +289,17 @@ def _optimizer_loading(
                     mismatched={key: f"{name}: shape {tuple(t.shape)}"},
                 )
             elements.setdefault(key, {})[name] = t.dtype
-    load_plan, rows = O.load_state_plan(plan, groups, elements)
-    loading = L.Loading(load_plan, L.StoredSource(tensors, saved.path))
-    loading.take({k: (tuple(t.shape), t.dtype) for k, t in tensors.items()})
-    return loading, O.LoadedState(rows, saved.scalars, elements, saved.param_groups)
+    return (saved.param_groups, saved.scalars, elements), tensors
+
+
+@dataclass
+class _Opened:
+    """What a rank that sees the directory read and validated (rank 0 posts it for the
+    ranks that cannot see it: shapes and skeleton, and ``extra``)."""
+
+    shapes: L.Shapes
+    skeleton: O.Skeleton | None
+    extra: Any
 
 
 def load_checkpoint(
@@ -303,14 +310,19 @@ def load_checkpoint(
     strict: bool = True,
     trust_pickle: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
 ) -> dict[str, Any]:
     """Load a directory written by :func:`save_checkpoint` into ``model`` (and
     ``optimizer``); returns the ``extra`` dict. Works at any world size and FSDP
-    flavour, and for a plain model in one process with no process group. Every rank
-    must see the directory (each reads only its own elements).
+    flavour, and for a plain model in one process with no process group.
+
+    Every rank that sees the directory reads only its own elements; where some rank
+    cannot see it (a checkpoint on rank 0's local disk), rank 0 reads it and sends each
+    rank just its own elements, one tensor at a time, and hands it the validated
+    metadata and ``extra``.
 
     Every file is validated first — headers, optimizer metadata, the match with the
-    model and the optimizer, ``extra`` — on every rank, so a bad file raises before
+    model and the optimizer, ``extra`` — so a bad file raises on every rank before
     anything changes. Nothing is unpickled: ``extra.pt`` is read with
     ``weights_only=True``.
 
@@ -318,41 +330,68 @@ def load_checkpoint(
         trust_pickle: read ``extra.pt`` (and a pre-0.2 ``optim.pt``) with full
             unpickling, for ``extra`` holding arbitrary objects. Only for checkpoints
             you trust: unpickling runs code.
+        transport: ``"auto"``: every rank reads its own elements where every rank sees
+            the directory, else rank 0 sends them; ``"node-local"`` requires the
+            former; ``"collective"`` always has rank 0 read and send.
 
     Raises:
-        CheckpointError: not a checkpoint directory, a file is missing or corrupt, or
-            ``extra`` needs ``trust_pickle=True``.
+        CheckpointError: not a checkpoint directory (on rank 0), a file is missing or
+            corrupt, or ``extra`` needs ``trust_pickle=True``.
         StateDictMismatchError: the model or optimizer does not match.
     """
     with Call("load_checkpoint", timeout) as call:
-        opts = Options(timeout=timeout, transport="node-local")
+        opts = Options(timeout=timeout, transport=transport)
         root = os.fspath(path)
         model_file = os.path.join(root, MODEL_FILE)
-        if not os.path.isfile(model_file):
-            raise CheckpointError(f"{root}: not a shardgather checkpoint ({MODEL_FILE} missing)")
         reshard_for_load(check_model(model))
         plan = build_plan(model)
-        tensors = stored_tensors(model_file)
-        shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-        L.validate(plan, shapes, strict, model_file)
-        loadings = [L.Loading(plan, L.StoredSource(tensors, model_file))]
-        loadings[0].take(shapes)
-        loaded = groups = None
+        groups = None
         if optimizer is not None:
             groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
-            state_loading, loaded = _optimizer_loading(
-                plan, groups, _read_optimizer(root, trust_pickle)
-            )
-            loadings.append(state_loading)
-        extra: Any = {}
-        extra_file = os.path.join(root, EXTRA_FILE)
-        if os.path.isfile(extra_file):
-            extra = _torch_load(extra_file, trust_pickle)
-        # Every rank validated every file: all go on, or all raise, before any change.
-        agreed = L.plan_round(call, plan, True, opts)
+        sees = call.rank == 0 or (opts.transport != "collective" and os.path.isdir(root))
+        model_source = state_source = opened = None
+        if sees:
+            if not os.path.isfile(model_file):
+                raise CheckpointError(
+                    f"{root}: not a shardgather checkpoint ({MODEL_FILE} missing)"
+                )
+            tensors = stored_tensors(model_file)
+            shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+            L.validate(plan, shapes, strict, model_file)
+            model_source = L.StoredSource(tensors, model_file)
+            skeleton = None
+            if groups is not None:
+                saved = _read_optimizer(root, trust_pickle)
+                skeleton, stored = _optimizer_skeleton(plan, groups, saved)
+                state_source = L.StoredSource(stored, saved.path)
+            extra: Any = {}
+            extra_file = os.path.join(root, EXTRA_FILE)
+            if os.path.isfile(extra_file):
+                extra = _torch_load(extra_file, trust_pickle)
+            opened = _Opened(shapes, skeleton, extra)
+        # Every rank validated what it sees (and rank 0, what it will send): all go on,
+        # or all raise, before any change. The optimizer's groups must agree too: a
+        # rank checking rank 0's skeleton after this round would be too late.
+        also = O.groups_fingerprint(groups) if groups is not None else ""
+        agreed = L.plan_round(call, plan, sees, opts, extra=opened, also_same=also)
+        if opened is None:  # rank 0 read and validated it: the same model and groups here
+            opened = agreed.rank0_extra
+            assert isinstance(opened, _Opened)
+            L.validate(plan, opened.shapes, strict, model_file)
+        loadings = [L.Loading(plan, model_source)]
+        loadings[0].take(opened.shapes)
+        loaded = None
+        if groups is not None:
+            assert opened.skeleton is not None
+            param_groups, scalars, elements = opened.skeleton
+            load_plan, rows = O.load_state_plan(plan, groups, elements)
+            state = L.Loading(load_plan, state_source)
+            state.take(O.element_shapes(plan, elements))
+            loadings.append(state)
+            loaded = O.LoadedState(rows, scalars, elements, param_groups)
         L.move(call, loadings, agreed, opts)
         call.round("done")
         if optimizer is not None:
             assert groups is not None and loaded is not None
             optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded))
-    return extra
+    return opened.extra

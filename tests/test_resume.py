@@ -36,15 +36,36 @@ def ckpt_save(rank: int, world: int, path: str, kind: str) -> dict:  # type: ign
     return {"sd": sd, "osd": osd}
 
 
-def ckpt_load(rank: int, world: int, path: str, kind: str, saved_path: str) -> dict:  # type: ignore[type-arg]
-    """A fresh model at another world size/flavour loads the checkpoint and trains on."""
+def ckpt_load(  # type: ignore[no-untyped-def]
+    rank: int,
+    world: int,
+    path: str,
+    kind: str,
+    saved_path: str,
+    where="every rank",
+    transport="auto",
+) -> dict:  # type: ignore[type-arg]
+    """A fresh model at another world size/flavour loads the checkpoint and trains on.
+    ``where="rank 0"``: the directory is on rank 0's own disk (another path elsewhere):
+    rank 0 sends each rank its elements (only those) and the metadata and ``extra``."""
+    from shardgather import _dist
+
     saved = torch.load(saved_path, weights_only=False)
     model, _ = build(kind, world, seed=1)
     opt = make_optimizer(model, "adamw")
-    extra = sg.load_checkpoint(path, model, opt)
+    if where == "rank 0" and rank != 0:
+        path += ".elsewhere"
+    before = _dist.STATS["bytes_received"]
+    extra = sg.load_checkpoint(path, model, opt, transport=transport)
+    received = _dist.STATS["bytes_received"] - before
     sd = sg.full_state_dict(model)
     osd = sg.full_optim_state_dict(model, opt)
     problems: list[str] = []
+    # Model + AdamW's two states, as rank 0 holds them; a rank receives its own part.
+    total = 3 * sum(v.numel() * v.element_size() for v in saved["sd"].values())
+    sent = where == "rank 0" or transport == "collective"
+    if rank != 0 and not (0 < received < 0.6 * total if sent else received == 0):
+        problems.append(f"rank {rank} received {received} of {total} bytes (sent: {sent})")
     if rank == 0:
         problems += ["model: " + p for p in diff_state_dicts(sd, saved["sd"], order=False)]
         problems += ["optim: " + p for p in same_osd(osd, saved["osd"], exact=True)]
@@ -82,6 +103,76 @@ def test_checkpoint_moves_between_world_sizes_and_flavours(move: str, tmp_path) 
     assert not diff_state_dicts(plain.state_dict(), saved["sd"], order=False)
     exp_avg = opt.state[plain.embed.weight]["exp_avg"]
     assert torch.equal(exp_avg, saved["osd"]["state"]["embed.weight"]["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    "where, transport, kind",
+    [("rank 0", "auto", "fsdp1-orig"), ("every rank", "collective", "fsdp2")],
+)
+def test_checkpoint_on_rank0_only_loads_everywhere(where, transport, kind, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint on rank 0's own disk (or transport="collective"): rank 0 reads and
+    sends each rank its elements, the optimizer's skeleton and ``extra``; bit-exact."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = dist_harness.run("tests.test_resume:ckpt_save", 2, path=ckpt, kind="fsdp2")[0]
+    torch.save(saved, tmp_path / "saved.pt")
+    results = dist_harness.run(
+        "tests.test_resume:ckpt_load",
+        3,
+        path=ckpt,
+        kind=kind,
+        saved_path=str(tmp_path / "saved.pt"),
+        where=where,
+        transport=transport,
+    )
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+
+
+def load_with_other_groups_on_rank1(rank: int, world: int, path: str, verb: str) -> dict:  # type: ignore[type-arg]
+    """Rank 1 builds its optimizer with one param group (the checkpoint has two) and
+    holds nothing to load (cannot see the directory; ``{}`` for the osd), so it could
+    only find out from rank 0's skeleton: every rank raises in the plan round, before
+    any shard or optimizer changes (without that check: a hang until the timeout)."""
+    osd = {}
+    if verb == "load_full_optim_state_dict":
+        trained, _ = build("fsdp2", world, seed=0)
+        topt = make_optimizer(trained, "adamw")
+        train_steps(trained, rank, 1, topt)
+        osd = sg.full_optim_state_dict(trained, topt)
+    model, _ = build("fsdp2", world, seed=1)
+    before = {k: v.clone() for k, v in sg.full_state_dict(model, rank0_only=False).items()}
+    if rank == 1:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        path += ".elsewhere"
+    else:
+        opt = make_optimizer(model, "adamw")
+    try:
+        if verb == "load_checkpoint":
+            sg.load_checkpoint(path, model, opt)
+        else:
+            sg.load_full_optim_state_dict(model, opt, osd if rank == 0 else {})
+        error = None
+    except sg.ShardGatherError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after = sg.full_state_dict(model, rank0_only=False)
+    return {
+        "error": error,
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "optimizer empty": not opt.state,
+    }
+
+
+@pytest.mark.parametrize("verb", ["load_checkpoint", "load_full_optim_state_dict"])
+def test_optimizer_groups_differing_across_ranks_change_nothing(verb: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ckpt = str(tmp_path / "ckpt")
+    if verb == "load_checkpoint":
+        dist_harness.run("tests.test_resume:ckpt_save", 2, path=ckpt, kind="fsdp2")
+    results = dist_harness.run(
+        "tests.test_resume:load_with_other_groups_on_rank1", 2, path=ckpt, verb=verb, timeout=120
+    )
+    for r in results:
+        assert r["error"] is not None and "param groups" in r["error"], r
+        assert r["unchanged"] and r["optimizer empty"], r
 
 
 def test_not_a_checkpoint_dir(tmp_path) -> None:  # type: ignore[no-untyped-def]

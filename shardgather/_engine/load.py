@@ -310,15 +310,18 @@ class Agreement:
 
 
 def plan_round(
-    call: Call, plan: GatherPlan, has: bool, opts: Options, extra: Any = None
+    call: Call, plan: GatherPlan, has: bool, opts: Options, extra: Any = None, also_same: str = ""
 ) -> Agreement:
     """The plan round of a load: every rank's plan and validation agreed (a failure
     anywhere raises everywhere, before any shard changes), who holds the source, and —
     for rank 0, which may have to send every rank its elements — every rank's row of
-    every source (with HSDP, other replicas' shard groups are not in rank 0's plan)."""
+    every source (with HSDP, other replicas' shard groups are not in rank 0's plan).
+    ``also_same``: more that must be equal on every rank (the optimizer's groups), for
+    ranks that validate against what rank 0 sends, after this round."""
     rows = {s.index: s.rank for s in plan.sources if s.group is not None}
     payload = (has, rows, extra if call.rank == 0 else None)
-    got = call.round("plan", same=plan.fingerprint, payload=payload, gather="to0", count=int(has))
+    same = plan.fingerprint + (f"+{also_same}" if also_same else "")
+    got = call.round("plan", same=same, payload=payload, gather="to0", count=int(has))
     everyone = call.count == call.world
     rank0 = got[0] if call.rank == 0 else got
     if not rank0[0]:

@@ -12,6 +12,7 @@ optimizer state dict with the plain model's names::
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -325,6 +326,29 @@ def check_groups(groups: list[list[ParamRef]], saved_groups: Any) -> None:
                 sorted(set(mine) - set(saved["params"])),
                 sorted(set(saved["params"]) - set(mine)),
             )
+
+
+# (param groups, scalar states by key, element-wise state dtypes by key): what a
+# rank needs, besides the bytes, to load optimizer state it cannot read itself.
+Skeleton = tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, torch.dtype]]]
+
+
+def element_shapes(
+    plan: GatherPlan, elements: Mapping[str, Mapping[str, torch.dtype]]
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The optimizer-state plan's entries as a source describes them: key
+    ``"<state>/<param>"`` -> (the parameter's shape, the state's dtype)."""
+    return {
+        f"{name}/{key}": (tuple(plan.entries[key].shape), dtype)
+        for key, names in elements.items()
+        for name, dtype in names.items()
+    }
+
+
+def groups_fingerprint(groups: list[list[ParamRef]]) -> str:
+    """The optimizer's param groups by name: equal on every rank of one job."""
+    names = "|".join(",".join(sorted(k for r in rs for k in r.keys)) for rs in groups)
+    return hashlib.sha1(names.encode()).hexdigest()[:12]
 
 
 @dataclass
