@@ -197,21 +197,22 @@ def _lit_module():  # type: ignore[no-untyped-def]
     return LitLM()
 
 
-def _trainer(world: int, max_steps: int):  # type: ignore[no-untyped-def]
+def _trainer(world: int, max_steps: int, **options: Any):  # type: ignore[no-untyped-def]
     import lightning as L
 
     from shardgather.integrations.lightning import ModelParallelStrategy
 
-    return L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": world,
+        "strategy": ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+        "max_steps": max_steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**kwargs, **options})
 
 
 def trainer_worker(rank: int, world: int, ckpt: str) -> dict:  # type: ignore[type-arg]
@@ -309,6 +310,44 @@ def trainer_async_worker(rank: int, world: int, root: str) -> dict:  # type: ign
             got_extra = torch.load(os.path.join(root, str(steps), "extra.pt"), weights_only=True)
             if got_extra != {"step": steps}:
                 problems.append(f"extra {got_extra}")
+
+    # The strategy with Lightning's own switch (AsyncCheckpointIO) and a ModelCheckpoint
+    # keeping the last one: step 2's checkpoint is removed only once step 4's is published.
+    import lightning as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    dirpath = os.path.join(root, "by-strategy")
+    seen: dict[str, list[str]] = {}
+
+    class Look(L.Callback):
+        def on_train_end(self, trainer, module):  # type: ignore[no-untyped-def]
+            seen["at train end"] = sorted(os.listdir(dirpath))
+
+    keep_last = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=dirpath, every_n_train_steps=2, save_top_k=1
+    )
+    trainer = _trainer(
+        world,
+        4,
+        enable_checkpointing=True,
+        callbacks=[keep_last, Look()],
+        plugins=[AsyncCheckpointIO()],
+    )
+    trainer.fit(_lit_module())
+    seen["after fit"] = sorted(os.listdir(dirpath))
+    if rank == 0:
+        # Step 4's save is still pending at train end (finished by the teardown), and
+        # step 2's, published by it, is still there: never no checkpoint at all.
+        if "epoch=0-step=2.ckpt" not in seen["at train end"] or any(
+            "step=4" in n and not n.startswith(".") for n in seen["at train end"]
+        ):
+            problems.append(f"at train end: {seen['at train end']}")
+        last = [n for n in seen["after fit"] if "step=4" in n]  # epoch=1: the epoch ended
+        if len(seen["after fit"]) != 1 or len(last) != 1:
+            problems.append(f"after fit: {seen['after fit']}")
+            return {"problems": problems, "blocked": saver.blocked}
+        sd = sg.load_file(os.path.join(dirpath, last[0], "model.safetensors"))
+        problems += ["strategy, step 4: " + p for p in diff_state_dicts(sd, want[4], order=False)]
     return {"problems": problems, "blocked": saver.blocked}
 
 
@@ -316,5 +355,5 @@ def test_trainer_saves_in_the_background_every_n_steps(tmp_path) -> None:  # typ
     results = dist_harness.run("tests.test_lightning:trainer_async_worker", 2, root=str(tmp_path))
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
-    assert sorted(os.listdir(tmp_path)) == ["2", "4"]
+    assert sorted(os.listdir(tmp_path)) == ["2", "4", "by-strategy"]
     assert all(len(r["blocked"]) == 2 for r in results)

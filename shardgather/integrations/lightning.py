@@ -18,6 +18,13 @@ shards, so every rank would read the whole checkpoint (the CPU OOM of Lightning'
 FSDP reports). The classes here override only the checkpoint methods of Lightning's own
 strategies, so everything else (setup, precision, launch) stays Lightning's.
 
+Saving in the background: pass Lightning's own switch, ``plugins=[AsyncCheckpointIO()]``.
+Each save then blocks training only for each rank's snapshot of its own shard
+(``save_checkpoint(blocking=False)``); the save is finished (agreed, published) at the
+next save, a load, or the strategy's teardown, and a checkpoint Lightning asks to
+remove meanwhile (``ModelCheckpoint(save_top_k=...)``) is removed only once the newer
+one is published — a crash in between leaves the older one, never none.
+
 Lightning is imported only when this module is (the core imports no framework).
 """
 
@@ -32,10 +39,12 @@ from typing import Any
 import torch
 from lightning.fabric.strategies import FSDPStrategy as _FabricFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallelStrategy
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy as _TrainerFSDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy as _TrainerModelParallelStrategy
 from torch import nn
 
+from .._engine.snapshot import AsyncSave
 from .._options import DEFAULT_TIMEOUT
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import CheckpointError, ShardGatherError
@@ -88,7 +97,11 @@ class _TrainerCheckpoints:
     lightning_module: Any
     is_global_zero: bool
     broadcast: Callable[..., Any]
+    checkpoint_io: Any
     checkpoint_timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    # A background save not yet finished, and the removals waiting for it.
+    _pending: AsyncSave | None = None
+    _removals: tuple[str, ...] = ()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Nothing is gathered here: save_checkpoint streams the model from its shards.
@@ -107,22 +120,44 @@ class _TrainerCheckpoints:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass
 
+    def _settle(self) -> None:
+        """Finish the background save (every rank: a bounded agreement), then carry out
+        the removals that waited for it. If it failed, the older checkpoints stay."""
+        pending, removals = self._pending, self._removals
+        self._pending, self._removals = None, ()
+        if pending is not None:
+            pending.wait()
+        for path in removals:
+            _remove(path, self.is_global_zero)
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
     ) -> None:
         if storage_options is not None:
             raise ShardGatherError("storage_options are not supported by shardgather's strategy")
         assert self.model is not None
+        self._settle()
         path = self.broadcast(os.fspath(filepath))
         extra = {k: v for k, v in checkpoint.items() if k not in (_MODEL_KEY, _OPTIM_KEY)}
         # trainer.save_checkpoint(weights_only=True) leaves the optimizer out: so do we.
         opt = _one_optimizer(self.optimizers) if _OPTIM_KEY in checkpoint else None
-        save_checkpoint(path, self.model, opt, extra=_plain(extra), timeout=self.checkpoint_timeout)
+        background = isinstance(self.checkpoint_io, AsyncCheckpointIO)
+        handle = save_checkpoint(
+            path,
+            self.model,
+            opt,
+            extra=_plain(extra),
+            timeout=self.checkpoint_timeout,
+            blocking=not background,
+        )
+        if background:
+            self._pending = handle
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
     ) -> dict[str, Any]:
         assert self.model is not None
+        self._settle()  # it may be the checkpoint being written
         path = self.broadcast(os.fspath(checkpoint_path))
         if not os.path.isdir(path):
             raise CheckpointError(
@@ -141,7 +176,16 @@ class _TrainerCheckpoints:
         )
 
     def remove_checkpoint(self, filepath: str | os.PathLike) -> None:
-        _remove(filepath, self.is_global_zero)
+        if self._pending is not None:  # only once the newer checkpoint is published
+            self._removals = (*self._removals, os.fspath(filepath))
+        else:
+            _remove(filepath, self.is_global_zero)
+
+    def teardown(self) -> None:
+        try:
+            self._settle()
+        finally:
+            super().teardown()  # type: ignore[misc]
 
 
 class ModelParallelStrategy(_TrainerCheckpoints, _TrainerModelParallelStrategy):
