@@ -227,3 +227,38 @@ def test_plain_model_in_one_process(tmp_path) -> None:  # type: ignore[no-untype
     assert not diff_state_dicts(sg.load_file(tmp_path / "p.safetensors"), want, order=False)
     with pytest.raises(sg.ShardGatherError, match="write_mb_per_s"):
         sg.save_full_state_dict(model, tmp_path / "x.safetensors", blocking=False, write_mb_per_s=0)
+
+
+def test_a_wait_that_times_out_leaves_the_writer_its_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """wait(timeout) shorter than the (paced) background writes: it raises, publishes
+    nothing, and closes the writer's files only once the writer ends — closed at once,
+    their descriptor numbers went to the next open and the writer wrote the checkpoint
+    into that unrelated file (8 MiB, measured before the fix). Then the temporaries go
+    and the next save works."""
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    handle = sg.save_full_state_dict(
+        model, tmp_path / "a.safetensors", blocking=False, write_mb_per_s=4
+    )
+    with pytest.raises(sg.CollectiveError, match="did not finish within"):
+        handle.wait(timeout=datetime.timedelta(seconds=0.3))
+    victim = os.open(tmp_path / "victim", os.O_RDWR | os.O_CREAT, 0o644)  # the lowest free fd
+    try:
+        deadline = time.monotonic() + 60
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handle.done()
+        assert os.fstat(victim).st_size == 0
+    finally:
+        os.close(victim)
+    assert sorted(os.listdir(tmp_path)) == ["victim"]  # nothing published, no temporary
+    with pytest.raises(sg.CollectiveError):
+        handle.wait()  # the same outcome again
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    sg.save_full_state_dict(model, tmp_path / "a.safetensors", blocking=False).wait()
+    assert not diff_state_dicts(sg.load_file(tmp_path / "a.safetensors"), want, order=False)

@@ -269,6 +269,12 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._outcome: BaseException | None = None
         self._finished = False
+        # What must wait for the writer thread: closing the files it writes through (a
+        # closed descriptor's number is reused by the next open — the thread would write
+        # into that file) and handing its buffer to the next save.
+        self._lock = threading.Lock()
+        self._writing = True
+        self._after_writes: list[Callable[[], None]] = []
         self._thread = threading.Thread(
             target=self._write, name=f"shardgather {call.what}", daemon=True
         )
@@ -280,6 +286,20 @@ class AsyncSave:
                 step()
         except BaseException as exc:  # surfaced by wait() on every rank
             self._error = exc
+        finally:
+            with self._lock:
+                self._writing = False
+                then, self._after_writes = self._after_writes, []
+            for fn in then:
+                fn()
+
+    def _when_written(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now if the writer thread has ended, else when it ends."""
+        with self._lock:
+            if self._writing:
+                self._after_writes.append(fn)
+                return
+        fn()
 
     def done(self) -> bool:
         """Whether this rank's background writes have finished (no agreement: the
@@ -292,8 +312,9 @@ class AsyncSave:
         return sum(la.snapshot.nbytes for la in self._laters if la.snapshot is not None)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
-        """Finish the save on every rank: wait for this rank's writes (at most
-        ``timeout``, default the save's), agree that every rank's succeeded, publish.
+        """Finish the save on every rank: wait for this rank's writes, agree that every
+        rank's succeeded, publish — each wait bounded by ``timeout`` (default the
+        save's). A writer that outlives it keeps its files open until it ends.
         Collective: every rank calls it. A second call returns (or raises the same
         error) at once.
 
@@ -309,6 +330,7 @@ class AsyncSave:
         self._finished = True
         limit = timeout or self._call.timeout
         call = self._call
+        call.timeout = limit  # the agreement's waits too: wait(timeout) is a bound
         try:
             with call:
                 self._thread.join(limit.total_seconds())
@@ -326,15 +348,22 @@ class AsyncSave:
                 call.round("published")
         except BaseException as exc:
             self._outcome = exc if isinstance(exc, ShardGatherError) else None
-            for later in self._laters:
-                later.sink.abort(call)
-            if self._abort is not None:
-                self._abort()
+
+            def abort() -> None:  # nothing published: temporaries go, the previous stays
+                for later in self._laters:
+                    later.sink.abort(call)
+                if self._abort is not None:
+                    self._abort()
+
+            self._when_written(abort)  # a writer still running keeps its files open
             raise
         finally:
             _IN_FLIGHT.pop(self._owner, None)
-            for key, buf in self._keep:
-                _KEPT[key] = buf  # for the next snapshot of this model
+            self._when_written(self._keep_buffers)
+
+    def _keep_buffers(self) -> None:
+        for key, buf in self._keep:
+            _KEPT[key] = buf  # for the next snapshot of this model
 
 
 # One save in flight per model: id(model) -> its pending save.
