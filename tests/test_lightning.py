@@ -166,7 +166,9 @@ def test_fabric_strategy_saves_consolidated_and_resumes_bit_exactly(tmp_path) ->
 # ------------------------------------------------------------------------------- Trainer
 
 
-def _lit_module():  # type: ignore[no-untyped-def]
+def _lit_module(fail_at: int | None = None, failing_rank: int | None = None):  # type: ignore[no-untyped-def]
+    """``fail_at``: the training step raises at that global step (on ``failing_rank``,
+    default every rank)."""
     import lightning as L
 
     class LitLM(L.LightningModule):
@@ -180,6 +182,8 @@ def _lit_module():  # type: ignore[no-untyped-def]
             _fully_shard(self.lm, self.device_mesh["data_parallel"])
 
         def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
+            if self.global_step == fail_at and failing_rank in (None, self.global_rank):
+                raise RuntimeError("a planned failure")
             return self.lm(tokens).float().pow(2).mean()
 
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -348,12 +352,75 @@ def trainer_async_worker(rank: int, world: int, root: str) -> dict:  # type: ign
             return {"problems": problems, "blocked": saver.blocked}
         sd = sg.load_file(os.path.join(dirpath, last[0], "model.safetensors"))
         problems += ["strategy, step 4: " + p for p in diff_state_dicts(sd, want[4], order=False)]
+
+    # Training fails on every rank right after a background save: the save still lands
+    # (the ranks settle it in on_exception), and nothing else is left.
+    crashed = os.path.join(root, "crashed")
+    keep_all = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=crashed, every_n_train_steps=2, save_top_k=-1
+    )
+    trainer = _trainer(
+        world, 6, enable_checkpointing=True, callbacks=[keep_all], plugins=[AsyncCheckpointIO()]
+    )
+    try:
+        trainer.fit(_lit_module(fail_at=2))
+        problems.append("the planned failure did not raise")
+    except RuntimeError as exc:
+        if "a planned failure" not in str(exc):
+            problems.append(f"raised {exc!r}")
+    if rank == 0:
+        if sorted(os.listdir(crashed)) != ["epoch=0-step=2.ckpt"]:
+            problems.append(f"after the failure: {sorted(os.listdir(crashed))}")
+        else:
+            sd = sg.load_file(os.path.join(crashed, "epoch=0-step=2.ckpt", "model.safetensors"))
+            problems += [
+                "crashed, step 2: " + p for p in diff_state_dicts(sd, want[2], order=False)
+            ]
     return {"problems": problems, "blocked": saver.blocked}
+
+
+def trainer_fails_alone_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[type-arg]
+    """Rank 1 alone fails right after a background save: it must not wait the
+    checkpoint timeout for a peer that will not settle the save (rank 0 is in its next
+    training collective, and fails when rank 1's process leaves)."""
+    import datetime
+    import time
+
+    import lightning as L
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    _lightning_env(rank, world)
+    trainer = _trainer(
+        world,
+        6,
+        enable_checkpointing=True,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=2)],
+        plugins=[AsyncCheckpointIO()],
+    )
+    trainer.strategy.checkpoint_timeout = datetime.timedelta(seconds=600)  # never reached
+    trainer.strategy.settle_on_exception_timeout = datetime.timedelta(seconds=3)
+    t = time.monotonic()
+    try:
+        trainer.fit(_lit_module(fail_at=2, failing_rank=1))
+        error = None
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return {"error": error, "seconds": time.monotonic() - t}
+
+
+def test_a_rank_failing_alone_does_not_wait_for_the_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    results = dist_harness.run(
+        "tests.test_lightning:trainer_fails_alone_worker", 2, root=str(tmp_path), timeout=120
+    )
+    assert "a planned failure" in results[1]["error"]
+    assert results[0]["error"] is not None
+    # Nothing published (the ranks never agreed), no temporary left under the final name.
+    assert not [n for n in os.listdir(tmp_path) if not n.startswith(".")]
 
 
 def test_trainer_saves_in_the_background_every_n_steps(tmp_path) -> None:  # type: ignore[no-untyped-def]
     results = dist_harness.run("tests.test_lightning:trainer_async_worker", 2, root=str(tmp_path))
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
-    assert sorted(os.listdir(tmp_path)) == ["2", "4", "by-strategy"]
+    assert sorted(os.listdir(tmp_path)) == ["2", "4", "by-strategy", "crashed"]
     assert all(len(r["blocked"]) == 2 for r in results)

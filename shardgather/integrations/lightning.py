@@ -23,13 +23,18 @@ Each save then blocks training only for each rank's snapshot of its own shard
 (``save_checkpoint(blocking=False)``); the save is finished (agreed, published) at the
 next save, a load, or the strategy's teardown, and a checkpoint Lightning asks to
 remove meanwhile (``ModelCheckpoint(save_top_k=...)``) is removed only once the newer
-one is published — a crash in between leaves the older one, never none.
+one is published — a crash in between leaves the older one, never none. When training
+raises, the ranks still finish the save if they all get there within
+``settle_on_exception_timeout`` (60 s; every rank failing alike: Ctrl+C, a NaN check); a
+rank failing alone gives it up after that, rather than holding the failing job for the
+checkpoint timeout.
 
 Lightning is imported only when this module is (the core imports no framework).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shutil
@@ -99,6 +104,8 @@ class _TrainerCheckpoints:
     broadcast: Callable[..., Any]
     checkpoint_io: Any
     checkpoint_timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    # How long a failing run waits for its peers to finish a background save.
+    settle_on_exception_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
     # A background save not yet finished, and the removals waiting for it.
     _pending: AsyncSave | None = None
     _removals: tuple[str, ...] = ()
@@ -120,13 +127,13 @@ class _TrainerCheckpoints:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass
 
-    def _settle(self) -> None:
+    def _settle(self, timeout: datetime.timedelta | None = None) -> None:
         """Finish the background save (every rank: a bounded agreement), then carry out
         the removals that waited for it. If it failed, the older checkpoints stay."""
         pending, removals = self._pending, self._removals
         self._pending, self._removals = None, ()
         if pending is not None:
-            pending.wait()
+            pending.wait(timeout)
         for path in removals:
             _remove(path, self.is_global_zero)
 
@@ -180,6 +187,14 @@ class _TrainerCheckpoints:
             self._removals = (*self._removals, os.fspath(filepath))
         else:
             _remove(filepath, self.is_global_zero)
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Training failed. Every rank failing alike (Ctrl+C, a NaN check) still finishes
+        # the background save; a rank failing alone does not wait the checkpoint timeout
+        # for peers that will never come (a launcher kills the job once it exits).
+        with contextlib.suppress(ShardGatherError):  # then the older checkpoints stay
+            self._settle(min(self.checkpoint_timeout, self.settle_on_exception_timeout))
+        super().on_exception(exception)  # type: ignore[misc]
 
     def teardown(self) -> None:
         try:
