@@ -516,11 +516,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def p2p_device() -> torch.device:
-    """Where host messages live: the CPU (they travel on the gloo data group)."""
-    return torch.device("cpu")
-
-
 @contextmanager
 def counting() -> Iterator[dict[str, int]]:
     """``with counting() as c: ...`` then ``c["rounds"]`` etc.: what the block issued."""

@@ -35,10 +35,6 @@ class FileSet:
     where: dict[str, tuple[int, int]]  # primary model key -> (file index, absolute offset)
     extra: dict[str, bytes] = field(default_factory=dict)  # index and pass-through files
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.sizes)
-
 
 def lay_out(
     tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
