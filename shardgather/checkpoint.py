@@ -294,8 +294,9 @@ def _optimizer_skeleton(
 
 @dataclass
 class _Opened:
-    """What a rank that sees the directory read and validated (rank 0 posts it for the
-    ranks that cannot see it: shapes and skeleton, and ``extra``)."""
+    """What a rank that sees the directory read and validated; rank 0's, posted in the
+    plan round, serves the ranks that cannot see it, and ``extra`` (only rank 0 reads
+    it) every rank."""
 
     shapes: L.Shapes
     skeleton: O.Skeleton | None
@@ -364,20 +365,20 @@ def load_checkpoint(
                 saved = _read_optimizer(root, trust_pickle)
                 skeleton, stored = _optimizer_skeleton(plan, groups, saved)
                 state_source = L.StoredSource(stored, saved.path)
-            extra: Any = {}
+            extra: Any = None  # rank 0 reads it for everyone: it travels in the round
             extra_file = os.path.join(root, EXTRA_FILE)
-            if os.path.isfile(extra_file):
-                extra = _torch_load(extra_file, trust_pickle)
+            if call.rank == 0:
+                extra = _torch_load(extra_file, trust_pickle) if os.path.isfile(extra_file) else {}
             opened = _Opened(shapes, skeleton, extra)
         # Every rank validated what it sees (and rank 0, what it will send): all go on,
         # or all raise, before any change. The optimizer's groups must agree too: a
         # rank checking rank 0's skeleton after this round would be too late.
         also = O.groups_fingerprint(groups) if groups is not None else ""
         agreed = L.plan_round(call, plan, sees, opts, extra=opened, also_same=also)
+        rank0 = agreed.rank0_extra
+        assert isinstance(rank0, _Opened)
         if opened is None:  # rank 0 read and validated it: the same model and groups here
-            opened = agreed.rank0_extra
-            assert isinstance(opened, _Opened)
-            L.validate(plan, opened.shapes, strict, model_file)
+            opened = rank0
         loadings = [L.Loading(plan, model_source)]
         loadings[0].take(opened.shapes)
         loaded = None
@@ -394,4 +395,4 @@ def load_checkpoint(
         if optimizer is not None:
             assert groups is not None and loaded is not None
             optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded))
-    return opened.extra
+    return rank0.extra
