@@ -101,9 +101,18 @@ def raises_mid_save_worker(rank: int, world: int, path: str, where: str) -> dict
             raise OSError(28, "No space left on device (simulated)")
         raise RuntimeError(f"simulated failure ({where})")
 
+    return _fail_then_recover(rank, world, path, where, fault, timeout_s=60)
+
+
+def _fail_then_recover(  # type: ignore[no-untyped-def]
+    rank: int, world: int, path: str, where: str, fault, timeout_s: float
+) -> dict:  # type: ignore[type-arg]
+    """Save with ``fault`` injected on rank 1 at ``where``; then, once every rank is back
+    (a barrier on the default group, which shardgather's failure left untouched), the
+    next calls must work."""
     model, plain = build("fsdp2", world, seed=0)
     with _fault_on_rank1(rank, where, fault):
-        raised, message, spent = _save(model, path, 60, where)
+        raised, message, spent = _save(model, path, timeout_s, where)
         leftovers = sorted(os.listdir(os.path.dirname(path)))
     dist.barrier()
     problems = _next_call_works(model, plain.state_dict(), path)
@@ -140,24 +149,12 @@ def test_a_rank_raising_mid_save_fails_every_rank_at_once(tmp_path, where: str) 
 def stuck_mid_save_worker(rank: int, world: int, path: str, transport: str) -> dict:  # type: ignore[type-arg]
     """Rank 1 is alive but stuck (a slow disk, a debugger) past the timeout in the
     middle of a save; when it comes back, it raises too, and the next calls work."""
-    model, plain = build("fsdp2", world, seed=0)
     timeout_s, stuck_s = 4, 9
-    with _fault_on_rank1(rank, transport, lambda: time.sleep(stuck_s)):
-        raised, message, spent = _save(model, path, timeout_s, transport)
-    leftovers = sorted(os.listdir(os.path.dirname(path)))
-    # Rank 0 gave up long before rank 1 came back: wait for it on the default group,
-    # which shardgather's failure left untouched.
-    dist.barrier()
-    problems = _next_call_works(model, plain.state_dict(), path)
-    return {
-        "raised": raised,
-        "message": message,
-        "spent": spent,
-        "leftovers": leftovers,
-        "problems": problems,
-        "timeout": timeout_s,
-        "stuck": stuck_s,
-    }
+    # Rank 0 gives up long before rank 1 comes back; the barrier waits for it.
+    result = _fail_then_recover(
+        rank, world, path, transport, lambda: time.sleep(stuck_s), timeout_s=timeout_s
+    )
+    return {**result, "timeout": timeout_s, "stuck": stuck_s}
 
 
 @pytest.mark.parametrize("transport", ["collective", "node-local"])
