@@ -7,7 +7,7 @@
 TORCH_LIBRARY(shardgather, m) {
   // Gathered shards -> full tensors. `shards` is uint8 `[rows, row_bytes]` holding
   // rows first_row .. first_row + rows - 1 of the rank-major layout; `segments` is
-  // the int64 `[S, 8]` table of layout.h (on the CPU). Elements outside those rows
+  // the int64 `[S, 11]` table of layout.h (on the CPU). Elements outside those rows
   // are left alone, so one rank can copy out just its own row.
   m.def("copy_out(Tensor shards, int first_row, Tensor segments, Tensor(a!)[] fulls) -> ()");
   // Full tensors -> shards: the exact inverse of copy_out (padding is not written).

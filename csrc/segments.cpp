@@ -48,7 +48,8 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
   for (int64_t s = 0; s < num_segments; ++s, seg += kSegmentCols) {
     const int64_t base = seg[kBase], row_numel = seg[kRowNumel], col_byte = seg[kColByte],
                   numel = seg[kNumel], full_index = seg[kFullIndex], full_byte = seg[kFullByte],
-                  shard_kind = seg[kShardKind], full_kind = seg[kFullKind];
+                  shard_kind = seg[kShardKind], full_kind = seg[kFullKind], run = seg[kRun],
+                  shard_stride = seg[kShardStride], full_stride = seg[kFullStride];
     SG_CHECK(
         op, shard_kind >= 0 && shard_kind < kNumKinds && full_kind >= 0 && full_kind < kNumKinds,
         "segment ", s, ": unknown element kind (shard ", shard_kind, ", full ", full_kind, ")");
@@ -62,6 +63,14 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
     }
     const int64_t shard_size = elem_size(shard_kind), full_size = elem_size(full_kind);
     SG_CHECK(op, row_numel > 0, "segment ", s, ": row numel (P) must be > 0, got ", row_numel);
+    // Runs must not overlap on either side: flat positions then grow with the element
+    // index (elem_at_or_after relies on it) and no full element is written twice.
+    SG_CHECK(op, run > 0 && numel % run == 0, "segment ", s, ": run (", run,
+             ") must be > 0 and divide numel (", numel, ")");
+    const int64_t count = numel / run;
+    SG_CHECK(op, count == 1 || (shard_stride >= run && full_stride >= run), "segment ", s,
+             ": strides (shard ", shard_stride, ", full ", full_stride, ") must be >= run (", run,
+             ") when a segment has several runs");
     SG_CHECK(op, col_byte >= 0 && col_byte + row_numel * shard_size <= row_bytes, "segment ", s,
              ": columns [", col_byte, ", ", col_byte + row_numel * shard_size,
              ") do not fit a row of ", row_bytes, " bytes");
@@ -69,9 +78,10 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
              ": full tensor index ", full_index, " out of range for ", fulls.size(), " tensors");
     const at::Tensor& full = fulls[full_index];
     const int64_t full_bytes = full.numel() * full.element_size();
-    SG_CHECK(op, full_byte >= 0 && full_byte + numel * full_size <= full_bytes, "segment ", s,
-             ": bytes [", full_byte, ", ", full_byte + numel * full_size,
-             ") out of range of fulls[", full_index, "] (", full_bytes, " bytes)");
+    const int64_t full_extent = ((count - 1) * (count > 1 ? full_stride : 0) + run) * full_size;
+    SG_CHECK(op, full_byte >= 0 && full_byte + full_extent <= full_bytes, "segment ", s,
+             ": bytes [", full_byte, ", ", full_byte + full_extent, ") out of range of fulls[",
+             full_index, "] (", full_bytes, " bytes)");
     // Casting kernels load/store typed elements: they must be aligned.
     if (shard_kind != full_kind) {
       const auto full_addr = reinterpret_cast<uintptr_t>(full.data_ptr()) + full_byte;
@@ -82,8 +92,9 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
                " bytes");
     }
 
+    const Block b{base, run, count > 1 ? shard_stride : run, count > 1 ? full_stride : run};
     int64_t lo = 0, hi = 0;
-    elems_in_rows(base, row_numel, numel, first_row, rows, &lo, &hi);
+    elems_in_rows(b, row_numel, numel, first_row, rows, &lo, &hi);
     if (hi > lo) {
       ranges.push_back({s, lo, hi});
       total_bytes += (hi - lo) * std::max(shard_size, full_size);
@@ -100,8 +111,11 @@ at::Tensor validate_and_split(const char* op, const at::Tensor& shards, int64_t 
     const int64_t* sg = segments.data_ptr<int64_t>() + s * kSegmentCols;
     const int64_t size = std::max(elem_size(sg[kShardKind]), elem_size(sg[kFullKind]));
     const int64_t max_run = std::max<int64_t>(1, max_run_bytes / size);
+    const bool strided = sg[kNumel] > sg[kRun];
+    const Block b{sg[kBase], sg[kRun], strided ? sg[kShardStride] : sg[kRun],
+                  strided ? sg[kFullStride] : sg[kRun]};
     for (int64_t e = lo; e < hi;) {
-      const int64_t n = std::min(run_in_row(sg[kBase], sg[kRowNumel], e, hi), max_run);
+      const int64_t n = std::min(run_length(b, sg[kRowNumel], e, hi), max_run);
       runs.push_back(s);
       runs.push_back(e);
       runs.push_back(n);

@@ -50,7 +50,7 @@ from .errors import CollectiveError, ShardGatherError
 
 # Counters a test or benchmark reads around a call: rounds (store agreements), messages
 # posted on the data group and their bytes, gathers (bucket collectives on device
-# rows), data groups made.
+# rows), data groups made, tensor bytes a load read from files.
 STATS = {
     "calls": 0,
     "rounds": 0,
@@ -59,6 +59,7 @@ STATS = {
     "bytes_received": 0,
     "gathers": 0,
     "data_groups": 0,
+    "bytes_read": 0,
 }
 
 _PREFIX = "shardgather/"

@@ -21,7 +21,7 @@ def copy_out(
         shards: uint8 ``[rows, row_bytes]``, contiguous: rows ``first_row ..`` of the
             gathered layout (a whole gathered bucket: ``first_row=0``).
         first_row: the global row index of ``shards[0]``.
-        segments: int64 ``[S, 8]`` CPU table (see ``shardgather._layout``).
+        segments: int64 ``[S, 11]`` CPU table (see ``shardgather._layout``).
         fulls: contiguous destinations addressed by the table (CUDA shards: CUDA or
             pinned CPU tensors).
     """

@@ -11,17 +11,21 @@ from . import _layout as L
 
 
 def _shard_addresses(seg: torch.Tensor, first_row: int, rows: int, row_bytes: int):
-    """Element indices (within the segment) present in the rows, and their byte addresses."""
-    base, p, col_byte, numel = (int(seg[i]) for i in (L.BASE, L.ROW_NUMEL, L.COL_BYTE, L.NUMEL))
-    shard_size = L.KIND_SIZE[int(seg[L.SHARD_KIND])]
-    e = torch.arange(numel, dtype=torch.int64)
-    if numel == 0:
-        return e, e
-    row = (base + e) // p
+    """Element indices (within the segment) present in the rows, their byte addresses,
+    and their element offsets on the full side."""
+    s = L.Segment(*(int(v) for v in seg))
+    shard_size = L.KIND_SIZE[s.shard_kind]
+    e = torch.arange(s.numel, dtype=torch.int64)
+    if s.numel == 0:
+        return e, e, e
+    run = s.block.run_numel
+    ss, fs = s.block.strides
+    flat = s.base + (e // run) * ss + e % run
+    row = flat // s.row_numel
     keep = (row >= first_row) & (row < first_row + rows)
-    e = e[keep]
-    addr = (row[keep] - first_row) * row_bytes + col_byte + ((base + e) % p) * shard_size
-    return e, addr
+    addr = (row - first_row) * row_bytes + s.col_byte + (flat % s.row_numel) * shard_size
+    full = (e // run) * fs + e % run
+    return e[keep], addr[keep], full[keep]
 
 
 def _as_kind(raw: torch.Tensor, kind: int) -> torch.Tensor:
@@ -50,7 +54,7 @@ def copy_out(
     rows, row_bytes = shards.shape
     flat_shards = shards.reshape(-1)
     for seg in segments:
-        e, addr = _shard_addresses(seg, first_row, rows, row_bytes)
+        e, addr, at = _shard_addresses(seg, first_row, rows, row_bytes)
         if e.numel() == 0:
             continue
         sk, fk = int(seg[L.SHARD_KIND]), int(seg[L.FULL_KIND])
@@ -58,7 +62,7 @@ def copy_out(
         raw = flat_shards[addr[:, None] + torch.arange(ssize)]
         vals = _to_bytes(_convert(_as_kind(raw, sk), sk, fk), fk)
         full = fulls[int(seg[L.FULL_INDEX])].reshape(-1).view(torch.uint8)
-        dst = int(seg[L.FULL_BYTE]) + e[:, None] * fsize + torch.arange(fsize)
+        dst = int(seg[L.FULL_BYTE]) + at[:, None] * fsize + torch.arange(fsize)
         full[dst.reshape(-1)] = vals.reshape(-1).to(full.device)
 
 
@@ -69,13 +73,13 @@ def copy_in(
     rows, row_bytes = shards.shape
     flat_shards = shards.view(-1)
     for seg in segments:
-        e, addr = _shard_addresses(seg, first_row, rows, row_bytes)
+        e, addr, at = _shard_addresses(seg, first_row, rows, row_bytes)
         if e.numel() == 0:
             continue
         sk, fk = int(seg[L.SHARD_KIND]), int(seg[L.FULL_KIND])
         ssize, fsize = L.KIND_SIZE[sk], L.KIND_SIZE[fk]
         full = fulls[int(seg[L.FULL_INDEX])].reshape(-1).view(torch.uint8)
-        src = int(seg[L.FULL_BYTE]) + e[:, None] * fsize + torch.arange(fsize)
+        src = int(seg[L.FULL_BYTE]) + at[:, None] * fsize + torch.arange(fsize)
         raw = full[src.reshape(-1)].view(-1, fsize).to(shards.device)
         vals = _to_bytes(_convert(_as_kind(raw, fk), fk, sk), sk)
         flat_shards[(addr[:, None] + torch.arange(ssize)).reshape(-1)] = vals.reshape(-1)

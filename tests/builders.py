@@ -160,3 +160,101 @@ def io_read_bytes() -> int:
     """Bytes this process read through read()/pread() (sockets included)."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+# ------------------------------------------------------------------ N-D layouts
+# kind: (world, mesh shape, mesh dim names). TinyLM(tied=False) under tensor parallelism
+# (column-wise fc1 / lm_head, row-wise fc2 / embedding: the vocabulary, 37, splits
+# unevenly; the MLP width is 36, since torch's TP forward cannot run an uneven
+# row-wise matmul), with FSDP2 on top on the "dp" dims.
+ND_KINDS = {
+    "tp": (2, (2,), ("tp",)),
+    "fsdp2-tp": (4, (2, 2), ("dp", "tp")),
+    "fsdp2-tp-bf16": (4, (2, 2), ("dp", "tp")),
+    "hsdp-tp": (8, (2, 2, 2), ("rep", "dp", "tp")),
+    "replicate-tp": (4, (2, 2), ("dp", "tp")),
+    "fsdp2-shard1": (2, (2,), ("dp",)),
+    "fsdp2-ep": (4, (2, 2), ("dp", "ep")),
+    "fsdp2": (4, (4,), ("dp",)),
+    "plain": (1, (1,), ("dp",)),
+}
+
+
+def tp_plan(model: nn.Module) -> dict:  # type: ignore[type-arg]
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    for i in range(len(model.blocks)):  # type: ignore[arg-type]
+        plan[f"blocks.{i}.fc1"] = ColwiseParallel()
+        plan[f"blocks.{i}.fc2"] = RowwiseParallel()
+    return plan
+
+
+def build_nd(kind: str, seed: int) -> tuple[nn.Module, nn.Module]:
+    """(model laid out as ``kind``, its plain twin) on the current process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from .models import MoELM
+
+    world, shape, names = ND_KINDS[kind]
+    torch.manual_seed(seed)
+    model: nn.Module = MoELM() if kind == "fsdp2-ep" else TinyLM(tied=False, hidden=36)
+    plain = copy.deepcopy(model)
+    if kind == "plain":
+        return model, plain
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if "tp" in names:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+    if kind == "fsdp2-ep":
+        # Expert parallel as torchtitan lays it out: experts split over "ep" and sharded
+        # by FSDP2 over "dp"; everything else sharded over every rank.
+        everyone = init_device_mesh("cpu", (world,), mesh_dim_names=("all",))
+        for b in model.blocks:  # type: ignore[union-attr]
+            ex = b.experts
+            for name in ("w1", "w2"):
+                w = getattr(ex, name)
+                setattr(ex, name, nn.Parameter(distribute_tensor(w.data, mesh["ep"], [Shard(0)])))
+            fully_shard(ex, mesh=mesh["dp"])
+            fully_shard(b, mesh=everyone)
+        fully_shard(model, mesh=everyone)
+        return model, plain
+    if kind == "replicate-tp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=mesh["dp"])
+        return model, plain
+    dp = {"hsdp-tp": ("rep", "dp")}.get(kind, ("dp",))
+    if "dp" not in names:
+        return model, plain
+    kw: dict = {"mesh": mesh[dp] if len(dp) > 1 else mesh[dp[0]]}
+    if kind.endswith("bf16"):
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, output_dtype=torch.float32
+        )
+    if kind == "fsdp2-shard1":  # FSDP2 on dim 1 where it divides evenly
+        kw["shard_placement_fn"] = lambda p: (
+            Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else None
+        )
+    for b in model.blocks:  # type: ignore[union-attr]
+        fully_shard(b, **kw)
+    kw.pop("mp_policy", None)  # BatchNorm and the head stay in fp32 (they take fp32 input)
+    fully_shard(model, **kw)
+    return model, plain
+
+
+def local_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's local tensor here (what a rank holds), by the plain name."""
+    from shardgather import clean_fqn
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        out[clean_fqn(name)] = t.detach().clone()
+    return out

@@ -17,7 +17,7 @@ import torch
 
 from shardgather._plan import Entry, GatherPlan, Source, contiguous_stride, fingerprint
 
-GROUP = object()  # stands for a process group: the engine compares groups by identity
+GROUP = object()  # stands for a process group (the engine compares rows by their ranks)
 
 
 @dataclass
@@ -150,4 +150,77 @@ def fsdp2(
             entries.append(e)
         bsrc, bentry = _local(fulls["buf"], "buf", len(shapes))
         plans.append(_plan([*entries, bentry], [*sources, bsrc], r, world))
+    return Sharded(plans, fulls, world)
+
+
+def local_tensor(full: torch.Tensor, ranges) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The local tensor whose dims hold the global index ranges ``ranges``."""
+    if ranges is None:
+        return full.new_empty(0)
+    out = full
+    for d, rs in enumerate(ranges):
+        idx = torch.cat([torch.arange(g, g + n) for g, _, n in rs])
+        out = out.index_select(d, idx)
+    return out.contiguous()
+
+
+def nd(
+    shapes: list[tuple[int, ...]],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[object, ...],
+    dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> Sharded:
+    """Every parameter a DTensor of ``placements`` on a mesh of ``mesh_shape`` (ranks
+    row-major), as tensor parallelism, FSDP2 on an N-D mesh or expert parallelism lay it
+    out: rank g holds the local tensor torch's placements give its coordinate, in a row
+    padded to the largest; a source's group is one replica (the ranks sharing g's
+    coordinate on the replicated mesh dims), rows in rank order."""
+    from shardgather._plan import dtensor
+
+    world = math.prod(mesh_shape)
+    grid = torch.arange(world).view(mesh_shape)
+    fulls = _fulls(shapes, dtype, seed)
+    sharded = [d for d, p in enumerate(placements) if dtensor.is_sharding(p)]
+    plans = []
+    for g in range(world):
+        coord = dtensor.coordinate(grid, g)
+        ranks = tuple(sorted(dtensor.replica(grid, coord, sharded)))
+        coords = [dtensor.coordinate(grid, r) for r in ranks]
+        sources, entries = [], []
+        for i, s in enumerate(shapes):
+            p, blocks, classic, _ = dtensor.rows_layout(f"p{i}", s, mesh_shape, coords, placements)
+            ranges = dtensor.dim_ranges(tuple(s), mesh_shape, coord, placements)
+            local = local_tensor(fulls[f"p{i}"], ranges).reshape(-1)
+            # Rows are views into a larger storage, as real shards are (offset bugs show).
+            row = torch.zeros(p + 3, dtype=dtype)[3:]
+            row[: local.numel()] = local
+            n = local.numel()
+            src = Source(
+                i,
+                GROUP,
+                len(ranks),
+                ranks.index(g),
+                p,
+                dtype,
+                lambda row=row, n=n: row[:n],
+                ranks,
+                f"p{i}",
+                storage=lambda row=row: row,
+            )
+            sources.append(src)
+            e = Entry(
+                f"p{i}",
+                torch.Size(s),
+                contiguous_stride(s),
+                dtype,
+                src,
+                0,
+                blocks=None if classic else blocks,
+            )
+            e.out_dtype = out_dtype
+            entries.append(e)
+        bsrc, bentry = _local(fulls["buf"], "buf", len(shapes))
+        plans.append(_plan([*entries, bentry], [*sources, bsrc], g, world))
     return Sharded(plans, fulls, world)

@@ -8,11 +8,12 @@ from torch import nn
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, frozen_bf16: bool = False) -> None:
+    def __init__(self, d: int, frozen_bf16: bool = False, hidden: int | None = None) -> None:
         super().__init__()
+        hidden = hidden or 3 * d + 1
         self.ln = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 3 * d + 1)
-        self.fc2 = nn.Linear(3 * d + 1, d)
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
         # A parameter whose dim 0 (1) is smaller than any world size > 1: empty shards.
         self.gain = nn.Parameter(torch.randn(1, d))
         if frozen_bf16:
@@ -35,10 +36,11 @@ class TinyLM(nn.Module):
         n_layers: int = 3,
         tied: bool = True,
         frozen_bf16: bool = False,
+        hidden: int | None = None,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([Block(d, frozen_bf16) for _ in range(n_layers)])
+        self.blocks = nn.ModuleList([Block(d, frozen_bf16, hidden) for _ in range(n_layers)])
         self.norm = nn.LayerNorm(d)
         self.bn = nn.BatchNorm1d(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
@@ -99,3 +101,52 @@ def make_optimizer(model: nn.Module, name: str = "adamw") -> torch.optim.Optimiz
     if name == "adam":
         return torch.optim.Adam(groups, lr=1e-2)
     return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+
+
+class Experts(nn.Module):
+    """Expert weights as 3-D tensors ``[experts, d, h]`` (torchtitan's layout, so expert
+    parallelism shards dim 0)."""
+
+    def __init__(self, d: int, h: int, experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, d, h) / d**0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, h, d) / h**0.5)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.w1, self.w2
+        if hasattr(w1, "to_local"):  # expert parallel: the experts this rank holds
+            w1, w2 = w1.to_local(), w2.to_local()
+        gate = gate[..., : w1.shape[0]]
+        h = torch.einsum("btd,edh->beth", x, w1).relu()
+        y = torch.einsum("beth,ehd->betd", h, w2)
+        return (y * gate.permute(0, 2, 1).unsqueeze(-1)).sum(1)
+
+
+class MoE(nn.Module):
+    """A router, experts and a shared dense layer. The forward runs the experts this
+    rank holds on every token, weighted by the router: not a real dispatch, but every
+    weight gets a gradient."""
+
+    def __init__(self, d: int = 12, h: int = 10, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = Experts(d, h, experts)
+        self.shared = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(self.router(x), -1)
+        return self.shared(x) + self.experts(x, gate)
+
+
+class MoELM(nn.Module):
+    def __init__(self, vocab: int = 37, d: int = 12, n_layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([MoE(d) for _ in range(n_layers)])
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.lm_head(h)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 import shardgather as sg
 from shardgather import _dist
@@ -23,7 +24,7 @@ from shardgather._engine.collective import pack_row
 from shardgather._engine.pieces import Rows, message_size, messages, pieces_of, write_pieces
 from shardgather._engine.remote import pack_message
 from shardgather._engine.sinks import Files, HostDict, file_set
-from shardgather._plan import own_range
+from shardgather._plan import own_blocks
 
 from . import fake_plans
 from .fake_plans import Sharded
@@ -31,7 +32,43 @@ from .fake_plans import Sharded
 SHAPES = st.lists(
     st.tuples(st.integers(0, 9), st.integers(1, 5)), min_size=1, max_size=5
 )  # dim 0 may be 0 (empty params) or smaller than the world (empty shards)
-LAYOUTS = {"fsdp1": fake_plans.fsdp1, "fsdp2": fake_plans.fsdp2}
+
+
+def _mesh2(world: int) -> tuple[int, int]:
+    return (2, world // 2) if world % 2 == 0 else (1, world)
+
+
+def _tp_rowwise(shapes, world, **kw):  # type: ignore[no-untyped-def]
+    """Tensor parallel, row-wise (Shard(1)): every rank holds a column slice — runs."""
+    return fake_plans.nd(shapes, (world,), (Shard(1),), **kw)
+
+
+def _fsdp2_tp(shapes, world, **kw):  # type: ignore[no-untyped-def]
+    """FSDP2 over column-wise TP: _StridedShard(0) on dp, Shard(0) on tp (the rows of a
+    rank's block are not where its row falls in rank order)."""
+    mesh = _mesh2(world)
+    return fake_plans.nd(shapes, mesh, (_StridedShard(0, split_factor=mesh[1]), Shard(0)), **kw)
+
+
+def _dp_rowwise(shapes, world, **kw):  # type: ignore[no-untyped-def]
+    """FSDP2 dim-0 over row-wise TP: a box per rank (rows of dp, columns of tp)."""
+    return fake_plans.nd(shapes, _mesh2(world), (Shard(0), Shard(1)), **kw)
+
+
+def _replicated_tp(shapes, world, **kw):  # type: ignore[no-untyped-def]
+    """TP replicated over a data-parallel dim (DDP / HSDP's replicas): two replicas,
+    one group each."""
+    return fake_plans.nd(shapes, _mesh2(world), (Replicate(), Shard(1)), **kw)
+
+
+LAYOUTS = {
+    "fsdp1": fake_plans.fsdp1,
+    "fsdp2": fake_plans.fsdp2,
+    "tp-rowwise": _tp_rowwise,
+    "fsdp2xtp": _fsdp2_tp,
+    "dp-rowwise": _dp_rowwise,
+    "replicated-tp": _replicated_tp,
+}
 
 
 def _expected(s: Sharded, key: str, out_dtype: torch.dtype | None) -> torch.Tensor:
@@ -53,10 +90,11 @@ def _gather_in_process(s: Sharded, bucket_bytes: int) -> dict[str, torch.Tensor]
     by_source = plan0.entries_by_source()
     for i, b in enumerate(per_rank[0]):
         rows = torch.zeros(b.world, b.row_bytes, dtype=torch.uint8)
-        for r, plan in enumerate(s.plans):
+        for j, r in enumerate(b.ranks):  # the group's ranks (one replica), in row order
+            plan = s.plans[r]
             mine = per_rank[r][i]
             assert (mine.row_bytes, len(mine.chunks)) == (b.row_bytes, len(b.chunks))
-            pack_row(mine, rows[r], lambda src, plan=plan: plan.sources[src.index].local())
+            pack_row(mine, rows[j], lambda src, plan=plan: plan.sources[src.index].local())
         sink.write_rows(rows, bucket_parts(b, by_source))
     assert sink.outputs is not None
     return sink.outputs
@@ -98,29 +136,26 @@ def test_the_pieces_of_all_ranks_tile_every_entry(layout, shapes, world) -> None
         covered = torch.zeros(e.numel, dtype=torch.int32)
         flat = s.fulls[key].reshape(-1)
         for r, plan in enumerate(s.plans):
-            # Any rank's pieces are known to every rank, from the plan alone.
-            def spans(pcs):  # type: ignore[no-untyped-def]
-                return [(pc.entry.key, pc.local_elem, pc.dst_elem, pc.numel) for pc in pcs]
-
-            assert spans(pieces_of(s.plans[0], lambda i: True, r)) == spans(
-                pieces_of(plan, lambda i: True)
-            )
+            if 0 not in plan.entries[key].source.group_ranks:
+                continue  # another replica: the same elements again
+            # Any rank's pieces are known to every rank of its group, from the plan alone.
+            assert [(p.entry.key, p.block) for p in pieces_of(s.plans[0], lambda i: True, r)] == [
+                (p.entry.key, p.block) for p in pieces_of(plan, lambda i: True)
+            ]
+            rows = Rows()
             for pc in pieces_of(plan, lambda i: True):
                 if pc.entry.key != key:
                     continue
-                covered[pc.dst_elem : pc.dst_elem + pc.numel] += 1
-                local = plan.sources[pc.entry.source.index].local()
-                assert torch.equal(
-                    local[pc.local_elem : pc.local_elem + pc.numel],
-                    flat[pc.dst_elem : pc.dst_elem + pc.numel],
-                ), (key, r)
-            lo, hi = own_range(plan.entries[key])
-            theirs = [
-                (pc.dst_elem, pc.dst_elem + pc.numel)
-                for pc in pieces_of(s.plans[0], lambda i: True, r)
-                if pc.entry.key == key
-            ]
-            assert theirs == ([(lo, hi)] if hi > lo else []), (key, r)
+                for _, full, n in pc.block.runs():
+                    covered[full : full + n] += 1
+                held = rows.held(pc.entry, pc.block).reshape(-1)
+                want = torch.cat([flat[f : f + n] for _, f, n in pc.block.runs()])
+                assert torch.equal(held, want), (key, r)
+            # A rank's own blocks (what it loads) are its pieces, in source coordinates.
+            start = plan.entries[key].source.rank * e.source.row_numel
+            mine = [b.full for b in own_blocks(plan.entries[key])]
+            theirs = [pc.dst_elem for pc in pieces_of(plan, lambda i: True) if pc.entry.key == key]
+            assert mine == theirs and start >= 0, (key, r)
         assert bool((covered == 1).all()), key
 
 
@@ -171,10 +206,12 @@ def test_messages_from_other_hosts_reach_the_sink(layout, message_bytes) -> None
         if e.source.group is None:
             sink.write_whole(e)
     for r, plan in enumerate(s.plans):
-        sent = messages(pieces_of(plan, lambda i: True), message_bytes)
+        # Only rank 0's replica sends (the engine's rank0_only participation).
+        ours = lambda i, plan=plan: 0 in plan.sources[i].group_ranks  # noqa: E731
+        sent = messages(pieces_of(plan, ours), message_bytes)
         # The receiver derives the same messages from the plan (only payload travels).
-        assert [[(p.entry.key, p.start, p.numel) for p in m] for m in sent] == [
-            [(p.entry.key, p.start, p.numel) for p in m]
+        assert [[(p.entry.key, p.block) for p in m] for m in sent] == [
+            [(p.entry.key, p.block) for p in m]
             for m in messages(pieces_of(s.plans[0], lambda i: True, r), message_bytes)
         ]
         rows = Rows()  # rank r's rows: its messages' parts are of its own plan's entries
@@ -200,7 +237,7 @@ def test_rank0_knows_every_ranks_load_range_from_the_plan_round(layout) -> None:
     for r, plan in enumerate(s.plans):
         rows = {src.index: src.rank for src in plan.sources if src.group is not None}
         for key, e in s.plans[0].entries.items():
-            assert engine_load.range_of(e, rows) == own_range(plan.entries[key]), (key, r)
+            assert engine_load.blocks_for(e, rows) == own_blocks(plan.entries[key]), (key, r)
 
 
 def test_buckets_hold_only_rank0s_groups_when_rank0_only() -> None:

@@ -418,7 +418,7 @@ def mixed_hosts_sender_fails(rank: int, world: int, path: str, op: str) -> dict:
         def broken(*a, **k):  # type: ignore[no-untyped-def]
             raise RuntimeError("simulated failure while packing")
 
-        remote.cast_into = broken
+        remote.pack_into = broken
     raised, message = None, ""
     timeout = datetime.timedelta(seconds=60)
     try:

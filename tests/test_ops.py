@@ -4,6 +4,7 @@ argument errors that name the op and the argument."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -215,6 +216,134 @@ def test_layout_twin_matches_the_compiled_rule() -> None:
         assert out[0].tolist() == want, (world, numel, base, p)
 
 
+def _block_layout(
+    shape: tuple[int, int],
+    grid: tuple[int, int],
+    dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    seed: int,
+    pad: int = 0,
+):
+    """A tensor-parallel layout: the full ``[R, C]`` tensor cut into ``grid`` boxes
+    (torch.chunk sizes, trailing boxes smaller or empty); the ranks hold them in
+    column-major order (rank-major rows are not the full tensor's order), each box
+    row-major in its padded row, ``pad`` spare elements after each of its rows (a
+    shard-side stride). One strided segment per rank."""
+    g = torch.Generator().manual_seed(seed)
+    full = _values(shape[0] * shape[1], dtype, g).view(shape)
+    rows_of = [t.shape[0] for t in torch.chunk(torch.empty(shape[0]), grid[0])] if shape[0] else []
+    cols_of = [t.shape[0] for t in torch.chunk(torch.empty(shape[1]), grid[1])] if shape[1] else []
+    rows_of += [0] * (grid[0] - len(rows_of))
+    cols_of += [0] * (grid[1] - len(cols_of))
+    boxes = []
+    for b in range(grid[1]):  # column-major rank order
+        for a in range(grid[0]):
+            r0, c0 = sum(rows_of[:a]), sum(cols_of[:b])
+            boxes.append((r0, c0, rows_of[a], cols_of[b]))
+    p = max(1, max(nr * (nc + pad) for _, _, nr, nc in boxes))
+    world = len(boxes)
+    flat = torch.zeros(world * p, dtype=dtype)
+    segs = []
+    for r, (r0, c0, nr, nc) in enumerate(boxes):
+        if nr and nc:
+            box = torch.zeros(nr, nc + pad, dtype=dtype)
+            box[:, :nc] = full[r0 : r0 + nr, c0 : c0 + nc]
+            flat[r * p : r * p + box.numel()] = box.reshape(-1)
+        seg = L.Segment(
+            r * p,
+            p,
+            0,
+            nr * nc,
+            0,
+            (r0 * shape[1] + c0) * out_dtype.itemsize,
+            L.kind_of(dtype),
+            L.kind_of(out_dtype),
+            run=nc,
+            shard_stride=nc + pad,
+            full_stride=shape[1],
+        )
+        segs.append(seg)
+    shards = flat.view(torch.uint8).view(world, -1).contiguous()
+    return full, shards, segs
+
+
+BLOCK_CASES = {
+    # id: (shape, grid, pad)
+    "rowwise-tp2": ((6, 8), (1, 2), 0),
+    "2d-dp2-tp2": ((7, 10), (2, 2), 0),
+    "uneven-empty-boxes": ((5, 3), (3, 4), 0),
+    "padded-shard-rows": ((6, 9), (2, 3), 2),
+    "one-column": ((9, 1), (3, 1), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@pytest.mark.parametrize("cast", [("f32", "f32"), ("f32", "bf16"), ("i16", "i16")], ids=str)
+def test_strided_blocks_copy_out_and_back(case: str, cast: tuple[str, str]) -> None:
+    shape, grid, pad = BLOCK_CASES[case]
+    src, dst = DTYPES[cast[0]], DTYPES[cast[1]]
+    full, shards, segs = _block_layout(shape, grid, src, dst, seed=4, pad=pad)
+    table = L.segment_table(segs)
+    got, ref = torch.full(shape, -7, dtype=dst), torch.full(shape, -7, dtype=dst)
+    ops.copy_out(shards, 0, table, [got])
+    _reference.copy_out(shards, 0, table, [ref])
+    assert torch.equal(got, full.to(dst)) and torch.equal(ref, got)
+    # Rank by rank, copy_in rebuilds each rank's padded row from the full tensor (the
+    # shard-side padding between box rows is never written).
+    if src == dst:
+        for r in range(shards.shape[0]):
+            row = torch.zeros(1, shards.shape[1], dtype=torch.uint8)
+            ops.copy_in([full], table, row, r)
+            assert torch.equal(row[0], shards[r]), r
+            back = torch.zeros_like(row)
+            _reference.copy_in([full], table, back, r)
+            assert torch.equal(back, row), r
+
+
+def test_strided_column_chunks_reassemble() -> None:
+    """A 2-D layout gathered in column chunks of the rows: split_columns cuts a block's
+    runs (partial first/last runs) and still delivers every element once."""
+    full, shards, segs = _block_layout((7, 10), (2, 2), torch.float32, torch.float32, 1, pad=1)
+    world, p = shards.shape[0], shards.shape[1] // 4
+    for width in (1, 3, 4, 7):
+        out = torch.full((7, 10), -1.0)
+        for lo in range(0, p, width):
+            hi = min(p, lo + width)
+            chunk = shards.view(world, p, 4)[:, lo:hi].reshape(world, -1).contiguous()
+            parts = [piece for seg in segs for piece in L.split_columns(seg, world, lo, hi, 0)]
+            ops.copy_out(chunk, 0, L.segment_table(parts), [out])
+        assert torch.equal(out, full), width
+
+
+def test_strided_layout_twin_matches_the_compiled_rule() -> None:
+    """The twin's block rule (flat position, full element) against where the compiled
+    kernel reads and writes: every shard element holds its own (row, col)."""
+    rnd = random.Random(1)
+    for _ in range(300):
+        run, count = rnd.randint(1, 6), rnd.randint(1, 5)
+        ss, fs = run + rnd.randint(0, 4), run + rnd.randint(0, 5)
+        base = rnd.randint(0, 15)
+        extent = base + (count - 1) * ss + run
+        world = rnd.randint(1, 4)
+        p = max(1, -(-extent // world)) + rnd.randint(0, 2)
+        where = torch.arange(world * p, dtype=torch.float64).view(world, p)
+        where = where // p * 1000 + where % p
+        rows = where.view(torch.uint8).view(world, -1).contiguous()
+        seg = L.Segment(base, p, 0, run * count, 0, 8, L.F64, L.F64, run, ss, fs)
+        size = 1 + (count - 1) * fs + run + 1
+        out = torch.full((size,), -1.0, dtype=torch.float64)
+        first = rnd.randint(0, world - 1)
+        nrows = rnd.randint(1, world - first)
+        ops.copy_out(rows[first : first + nrows].contiguous(), first, L.segment_table([seg]), [out])
+        want = torch.full((size,), -1.0, dtype=torch.float64)
+        b = seg.block
+        for s in range(seg.numel):
+            flat = b.flat(s)
+            if first <= flat // p < first + nrows:
+                want[1 + b.full_elem(s)] = flat // p * 1000 + flat % p
+        assert torch.equal(out, want), (seg, world, first, nrows)
+
+
 @pytest.mark.parametrize("op", ["copy_out", "copy_in"])
 def test_opcheck(op: str) -> None:
     fulls, shards, table, _ = _flat_layout(3, [5, 8], torch.float32, torch.float32, seed=0)
@@ -232,7 +361,7 @@ def _good():
 
 BAD_CALLS = {
     "table-dtype": (lambda s, t, f: (s, 0, t.int(), f), "'segments' must have dtype Long"),
-    "table-cols": (lambda s, t, f: (s, 0, t[:, :5].contiguous(), f), "8 columns"),
+    "table-cols": (lambda s, t, f: (s, 0, t[:, :5].contiguous(), f), "11 columns"),
     "shards-dtype": (lambda s, t, f: (s.float(), 0, t, f), "'shards' must have dtype Byte"),
     "shards-noncontig": (lambda s, t, f: (s.t(), 0, t, f), "'shards' must be contiguous"),
     "full-noncontig": (
@@ -246,6 +375,16 @@ BAD_CALLS = {
     "raw-to-float": (lambda s, t, f: (s, 0, _set(t, L.SHARD_KIND, L.RAW4), f), "cannot cast"),
     "negative-numel": (lambda s, t, f: (s, 0, _set(t, L.NUMEL, -1), f), "negative numel"),
     "zero-P": (lambda s, t, f: (s, 0, _set(t, L.ROW_NUMEL, 0), f), "must be > 0"),
+    "zero-run": (lambda s, t, f: (s, 0, _set(t, L.RUN, 0), f), "run .0. must be > 0"),
+    "run-not-dividing": (lambda s, t, f: (s, 0, _set(t, L.RUN, 3), f), "divide numel"),
+    "overlapping-runs": (
+        lambda s, t, f: (s, 0, _set(_set(t, L.RUN, 1), L.SHARD_STRIDE, 0), f),
+        "must be >= run",
+    ),
+    "strided-out-of-range": (
+        lambda s, t, f: (s, 0, _set(_set(t, L.RUN, 1), L.FULL_STRIDE, 2), f),
+        "out of range of fulls",
+    ),
 }
 
 
@@ -291,6 +430,32 @@ def test_cuda_copy_out_matches_cpu(dst: str, cast: tuple[str, str]) -> None:
         out2 = [torch.empty(n, dtype=dst_dt) for n in numels]
         ops.copy_out(back.cpu(), 0, table, out2)
         assert all(torch.equal(a, b) for a, b in zip(out2, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@pytest.mark.parametrize("dst", ["device", "pinned"])
+def test_cuda_strided_blocks_match_cpu(case: str, dst: str) -> None:
+    shape, grid, pad = BLOCK_CASES[case]
+    full, shards, segs = _block_layout(shape, grid, torch.float32, torch.bfloat16, 9, pad=pad)
+    table = L.segment_table(segs)
+    want = torch.zeros(shape, dtype=torch.bfloat16)
+    ops.copy_out(shards, 0, table, [want])
+    got = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    if dst == "pinned":
+        got = torch.zeros(shape, dtype=torch.bfloat16).pin_memory()
+    ops.copy_out(shards.cuda(), 0, table, [got])
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
+    f32 = [full.cuda()]
+    table32 = L.segment_table(
+        [dataclasses.replace(x, full_byte=x.full_byte * 2, full_kind=L.F32) for x in segs]
+    )
+    back = torch.zeros_like(shards).cuda()
+    ops.copy_in(f32, table32, back, 0)
+    torch.cuda.synchronize()
+    assert torch.equal(back.cpu(), shards)
 
 
 @pytest.mark.cuda

@@ -64,9 +64,11 @@ void copy_cpu(const char* op, const at::Tensor& shards, int64_t first_row,
       const int64_t* seg = seg_table + kSegmentCols * run[0];
       const int64_t e = run[1], n = run[2];
       const int64_t shard_kind = seg[kShardKind], full_kind = seg[kFullKind];
-      char* shard = shard_ptr + shard_byte(seg[kBase], seg[kRowNumel], seg[kColByte],
-                                           elem_size(shard_kind), row_bytes, first_row, e);
-      char* full = full_ptrs[seg[kFullIndex]] + seg[kFullByte] + e * elem_size(full_kind);
+      const Block b = block_of(seg);
+      char* shard = shard_ptr + shard_byte(b, seg[kRowNumel], seg[kColByte], elem_size(shard_kind),
+                                           row_bytes, first_row, e);
+      char* full =
+          full_ptrs[seg[kFullIndex]] + seg[kFullByte] + full_elem(b, e) * elem_size(full_kind);
       if (kOut) {
         copy_elems(shard, shard_kind, full, full_kind, n);
       } else {

@@ -83,10 +83,11 @@ __global__ void copy_kernel(char* shards, int64_t row_bytes, int64_t first_row,
   const int64_t* seg = seg_table + kSegmentCols * run[0];
   const int64_t e = run[1], n = run[2];
   const int64_t shard_kind = seg[kShardKind], full_kind = seg[kFullKind];
-  char* shard = shards + shard_byte(seg[kBase], seg[kRowNumel], seg[kColByte],
-                                    elem_size(shard_kind), row_bytes, first_row, e);
+  const Block b = block_of(seg);
+  char* shard = shards + shard_byte(b, seg[kRowNumel], seg[kColByte], elem_size(shard_kind),
+                                    row_bytes, first_row, e);
   char* full = reinterpret_cast<char*>(full_ptrs[seg[kFullIndex]]) + seg[kFullByte] +
-               e * elem_size(full_kind);
+               full_elem(b, e) * elem_size(full_kind);
   if (kOut) {
     copy_elems(shard, shard_kind, full, full_kind, n);
   } else {

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .. import _layout as L
-from .._plan import Entry, GatherPlan, Source
+from .._plan import Block, Entry, GatherPlan, Source, blocks_of
 
 ALIGN = 16  # byte alignment of each chunk's columns in a bucket row (16-byte vectors)
 
@@ -62,7 +62,8 @@ def build_buckets(sources: list[Source], bucket_bytes: int) -> list[Bucket]:
         itemsize = src.dtype.itemsize
         col = 0
         while col < src.row_numel:
-            if cur is None or cur.group is not src.group or cur.row_bytes >= row_cap:
+            # Sources of one bucket share their rows: the same ranks in the same order.
+            if cur is None or cur.ranks != src.group_ranks or cur.row_bytes >= row_cap:
                 cur = Bucket(src.group, src.world, src.rank, src.group_ranks, 0, [])
                 buckets.append(cur)
             room = (row_cap - cur.row_bytes) // itemsize
@@ -87,14 +88,25 @@ def my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Buc
 
 @dataclass
 class Part:
-    """Elements ``[start, start + numel)`` (memory order) of an entry inside a carrier —
-    a gathered bucket, or a message — and the segment that locates them there (its
-    destination fields ``full_index``/``full_byte`` are filled in by the sink)."""
+    """Elements of an entry inside a carrier — a gathered bucket, or a message — and
+    the segment that locates them there (its destination fields ``full_index`` /
+    ``full_byte`` are filled in by the sink). ``block`` says which elements: from full
+    element ``block.full`` (the entry's memory order), runs of ``block.run_numel`` every
+    ``block.strides[1]`` elements (one run: a contiguous range). ``held``: where the
+    sending rank holds them in its own row (message parts only)."""
 
     entry: Entry
-    start: int
-    numel: int
+    block: Block
     segment: L.Segment
+    held: Block | None = None
+
+    @property
+    def start(self) -> int:
+        return self.block.full
+
+    @property
+    def numel(self) -> int:
+        return self.block.numel
 
     @property
     def nbytes(self) -> int:
@@ -108,22 +120,17 @@ def bucket_parts(bucket: Bucket, by_source: dict[int, list[Entry]]) -> list[Part
         src = chunk.source
         kind = L.kind_of(src.dtype)
         for e in by_source.get(src.index, []):
-            if e.numel == 0:
-                continue
-            seg = L.Segment(
-                e.base,
-                src.row_numel,
-                chunk.col_byte,
-                e.numel,
-                0,
-                0,
-                kind,
-                L.kind_of(e.target_dtype),
-            )
-            if chunk.whole:
-                parts.append(Part(e, 0, e.numel, seg))
-                continue
-            out_size = e.target_dtype.itemsize
-            for s in L.split_columns(seg, bucket.world, chunk.col_lo, chunk.col_hi, chunk.col_byte):
-                parts.append(Part(e, s.full_byte // out_size, s.numel, s))
+            out_kind = L.kind_of(e.target_dtype)
+            for block in blocks_of(e):
+                if chunk.whole:
+                    pieces = [block]
+                    width = src.row_numel
+                else:
+                    width = chunk.col_hi - chunk.col_lo
+                    pieces = L.in_columns(
+                        block, bucket.world, src.row_numel, chunk.col_lo, chunk.col_hi
+                    )
+                for b in pieces:
+                    seg = L.Segment.of(b, width, chunk.col_byte, kind, out_kind)
+                    parts.append(Part(e, b, seg))
     return parts

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .. import _dist
 from .._dist import Call
 from .._plan import Source
+from .._plan.dtensor import process_group
 from .buckets import Bucket
 
 
@@ -136,9 +137,10 @@ class BucketGathers:
             work: Any = self._exchange_rows(b, inp, out, what)
         else:
             _dist.STATS["gathers"] += 1
+            group = process_group(b.group, b.ranks)
             work = _Collective(
                 self.call,
-                dist.all_gather_into_tensor(out.view(-1), inp, group=b.group, async_op=True),
+                dist.all_gather_into_tensor(out.view(-1), inp, group=group, async_op=True),
                 what,
             )
         self._inflight[i] = (work, out if self.receive(b) else None)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -32,7 +32,7 @@ from .. import _dist, _ops
 from .. import _layout as L
 from .._dist import Call, data_group
 from .._options import Options, Transport
-from .._plan import Entry, GatherPlan, elems_in_row, flat_of, own_range
+from .._plan import Block, Entry, GatherPlan, flat_of, own_blocks, row_blocks
 from ..errors import ShardGatherError, StateDictMismatchError
 from ..io.safetensors_format import pread_into
 from ..io.stored import StoredTensor
@@ -100,6 +100,7 @@ class StoredSource:
         for path, offset, first, count in stored.runs(lo, hi):
             at = (first - lo) * size
             pread_into(self.fd(path), buf[at : at + count * size], offset)
+            _dist.STATS["bytes_read"] += count * size
 
     def flat(self, e: Entry, key: str) -> torch.Tensor:
         stored = self.tensors[key]
@@ -117,9 +118,14 @@ class StoredSource:
             if src_key is None:
                 continue
             stored = self.tensors[src_key]
-            lo, hi = (0, stored.numel) if not e.is_contiguous else own_range(e)
-            for _ in stored.runs(lo, hi):
-                pass
+            spans = (
+                [(0, stored.numel)]
+                if not e.is_contiguous
+                else [(b.full, b.full_elem(b.numel - 1) + 1) for b in own_blocks(e)]
+            )
+            for lo, hi in spans:
+                for _ in stored.runs(lo, hi):
+                    pass
 
 
 Source = DictSource | StoredSource
@@ -207,72 +213,88 @@ class Shards:
 
     @staticmethod
     def row(e: Entry) -> tuple[torch.Tensor, int]:
-        """The storage this rank's elements of ``e`` are written to: (uint8 [1, row_bytes], row)."""
+        """The storage this rank's elements of ``e`` are written to (uint8 ``[1, bytes]``:
+        its row, which may be shorter than the source's rows — FSDP2 pads each rank's
+        shard to its own size), and the flat position of its first element."""
         src = e.source
         if src.storage is None:
             raise ShardGatherError(
                 f"{e.key!r}: its tensor is not dense; it cannot be loaded in place"
             )
         t = src.storage()
-        return t.view(torch.uint8).view(1, -1) if t.element_size() > 1 else t.view(1, -1), src.rank
+        row = t.view(torch.uint8).view(1, -1) if t.element_size() > 1 else t.view(1, -1)
+        return row, src.rank * src.row_numel
 
-    def write(self, e: Entry, lo: int, hi: int, flat: torch.Tensor) -> None:
-        """Elements ``lo:hi`` (memory order) of ``e``, given as ``flat``, into this rank's
-        shard storage (cast to its dtype)."""
-        row, first_row = self.row(e)
+    def write(self, e: Entry, block: Block, data: torch.Tensor, packed: bool = True) -> None:
+        """The elements of ``block`` (flat positions in the source's rows; this rank's)
+        into this rank's shard storage, cast to its dtype: from ``data``, packed run
+        after run (``packed``), or the entry's whole memory-order flat (block.full on)."""
+        row, origin = self.row(e)
         src = e.source
         if row.is_cuda:
-            flat = flat.to(row.device)
-        elif flat.device.type != "cpu":
-            flat = flat.cpu()
-        seg = L.Segment(
-            e.base + lo,
-            src.row_numel,
-            0,
-            hi - lo,
-            0,
-            0,
-            L.kind_of(src.dtype),
-            L.kind_of(flat.dtype),
-        )
-        _ops.copy_in([flat.contiguous()], L.segment_table([seg]), row, first_row)
+            data = data.to(row.device)
+        elif data.device.type != "cpu":
+            data = data.cpu()
+        kinds = (L.kind_of(src.dtype), L.kind_of(data.dtype))
+        width = row.shape[1] // src.dtype.itemsize  # the storage seen as one row
+        at = replace(block, shard=block.shard - origin)
+        if packed:
+            r = block.run_numel
+            packed_at = Block(at.shard, 0, at.numel, r, at.strides[0], r)
+            seg = L.Segment.of(packed_at, width, 0, *kinds)
+        else:
+            seg = L.Segment.of(at, width, 0, *kinds, 0, block.full * data.element_size())
+        _ops.copy_in([data.contiguous()], L.segment_table([seg]), row, 0)
         if row.is_cuda:
             torch.cuda.current_stream(row.device).synchronize()  # the kernel's stream
 
     def write_own(self, e: Entry, full: torch.Tensor) -> None:
         """This rank's elements of one entry, from a full tensor."""
-        lo, hi = own_range(e)
-        if hi > lo:
-            self.write(e, lo, hi, flat_of(e, full)[lo:hi])
+        flat = flat_of(e, full)
+        for b in own_blocks(e):
+            self.write(e, b, flat, packed=False)
 
     def read_own(self, e: Entry, source: StoredSource, key: str) -> None:
         """pread exactly this rank's elements of ``e`` (from whichever files hold them)."""
-        stored = source.tensors[key]
-        row, first_row = self.row(e)
-        src = e.source
         if not e.is_contiguous:
             # The file is row-major, the shard holds memory order: read it whole and
             # re-lay it out first (non-contiguous params are small: conv weights).
-            self.write(e, 0, e.numel, source.flat(e, key))
+            flat = source.flat(e, key)
+            for b in own_blocks(e):
+                self.write(e, b, flat, packed=False)
             return
-        lo, hi = elems_in_row(e.base, src.row_numel, e.numel, first_row)
+        for b in own_blocks(e):
+            self._read_block(e, b, source, key)
+
+    def _read_block(self, e: Entry, b: Block, source: StoredSource, key: str) -> None:
+        stored = source.tensors[key]
+        row, origin = self.row(e)
+        src = e.source
         fsize = stored.dtype.itemsize
+        r = b.run_numel
+        ss, fs = b.strides
         if stored.dtype == src.dtype and not row.is_cuda:
             # Same dtype, host shard: the file's bytes are the shard's bytes, so pread
-            # them straight into place (no staging, no second copy).
-            start = (e.base + lo - first_row * src.row_numel) * fsize
-            source.read(key, lo, hi, row[0, start : start + (hi - lo) * fsize])
+            # them straight into place (no staging, no second copy), run by run.
+            for i in range(b.count):
+                start = (b.shard + i * ss - origin) * fsize
+                lo = b.full + i * fs
+                source.read(key, lo, lo + r, row[0, start : start + r * fsize])
             return
-        step = max(1, self.staging_bytes // fsize)
-        for a in range(lo, hi, step):
-            b = min(hi, a + step)
-            n = (b - a) * fsize
-            if self._staging.numel() < n:
-                # CUDA shards read pinned staging through its mapped address.
-                self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=row.is_cuda)
-            buf = self._staging[:n]
-            source.read(key, a, b, buf)
-            self.write(e, a, b, buf.view(stored.dtype))
+        # Whole runs through the staging buffer (a run longer than it: one at a time).
+        per = max(1, self.staging_bytes // (r * fsize)) * r
+        for a in range(0, b.numel, per):
+            for part in b.sub(a, min(b.numel, a + per)):
+                n = part.numel * fsize
+                if self._staging.numel() < n:
+                    # CUDA shards read pinned staging through its mapped address.
+                    self._staging = torch.empty(n, dtype=torch.uint8, pin_memory=row.is_cuda)
+                buf = self._staging[:n]
+                pr = part.run_numel
+                for i in range(part.count):
+                    lo = part.full + i * part.strides[1]
+                    source.read(key, lo, lo + pr, buf[i * pr * fsize : (i + 1) * pr * fsize])
+                self.write(e, part, buf.view(stored.dtype))
 
 
 # ------------------------------------------------------------------------ the driver
@@ -366,12 +388,22 @@ def move(call: Call, loadings: list[Loading], agreed: Agreement, opts: Options) 
                 ld.source.close()
 
 
-def range_of(e: Entry, rows: Mapping[int, int]) -> tuple[int, int]:
+def blocks_for(e: Entry, rows: Mapping[int, int]) -> list[Block]:
     """The elements of ``e`` that the rank whose rows are ``rows`` holds."""
     if e.source.group is None:
-        return 0, e.numel
-    row = rows.get(e.source.model_index)
-    return elems_in_row(e.base, e.source.row_numel, e.numel, row) if row is not None else (0, 0)
+        return row_blocks(e, 0)
+    return row_blocks(e, rows.get(e.source.model_index))
+
+
+def _elements(flat: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
+    """The elements of ``blocks`` of a memory-order flat tensor, packed (one tensor)."""
+    views = [
+        flat[b.full : b.full + b.numel]
+        if b.contiguous
+        else flat[b.full :].as_strided((b.count, b.run_numel), (b.strides[1], 1)).reshape(-1)
+        for b in blocks
+    ]
+    return views[0].contiguous() if len(views) == 1 else torch.cat(views)
 
 
 def _scatter(
@@ -387,21 +419,24 @@ def _scatter(
         if src_key is None:
             continue
         tag += 1
-        lo, hi = own_range(e)
+        mine = own_blocks(e)
         if call.rank == 0:
             assert ld.source is not None and rows_of is not None
             flat = ld.source.flat(e, src_key)
             works = []
             for r in range(1, call.world):
-                a, b = range_of(e, rows_of[r])
-                if b > a:
-                    works.append((_dist.send(group, flat[a:b].contiguous(), r, tag), r))
-            if hi > lo:
-                sink.write(e, lo, hi, flat[lo:hi])
+                theirs = blocks_for(e, rows_of[r])
+                if theirs:
+                    works.append((_dist.send(group, _elements(flat, theirs), r, tag), r))
+            for b in mine:
+                sink.write(e, b, flat, packed=False)
             for work, r in works:
                 call.wait(work, f"sending {key} to rank {r}", r)
-        elif hi > lo:
-            buf = torch.empty(hi - lo, dtype=ld.dtypes[src_key])
+        elif mine:
+            buf = torch.empty(sum(b.numel for b in mine), dtype=ld.dtypes[src_key])
             work = _dist.recv(group, buf, 0, tag)
             call.wait(work, f"receiving {key} from rank 0", 0)
-            sink.write(e, lo, hi, buf)
+            at = 0
+            for b in mine:
+                sink.write(e, b, buf[at : at + b.numel])
+                at += b.numel

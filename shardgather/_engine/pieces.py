@@ -1,24 +1,25 @@
 """What each rank holds of every entry, written to its final place, or packed into
 messages for rank 0.
 
-From the plan, a rank's elements of an entry are one contiguous run in its local row
-and one contiguous run in the destination (FSDP1: a shard is a contiguous range of the
-flat parameter; FSDP2: a shard is a contiguous dim-0 row range), so a rank's work is a
-short list of pieces ``(entry, local offset, destination offset, count)``. Any rank can
-compute any other rank's pieces from the plan alone.
+From the plan, a rank's elements of an entry are a few blocks of its local row (FSDP1,
+FSDP2 dim-0: one contiguous run, in its row and in the destination; a DTensor's local
+tensor under row-wise TP: equal runs strided in the destination), so a rank's work is
+a short list of pieces ``(entry, block)`` — the block's ``shard`` is where it starts in
+the rank's row, its ``full`` where in the entry. Any rank can compute any other rank's
+pieces from the plan alone.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import _layout as L
 from .. import _ops
-from .._plan import Entry, GatherPlan, memory_order_flat, row_of_rank
+from .._plan import Block, Entry, GatherPlan, memory_order_flat, row_blocks, row_of_rank
 from ..io.safetensors_format import pwrite_from
 from . import staging
 from .buckets import Part, align
@@ -29,16 +30,41 @@ STAGING_BYTES = 16 * 2**20  # casts on the host go through a buffer of at most t
 @dataclass
 class Piece:
     entry: Entry
-    local_elem: int  # first element in the holding rank's row
-    dst_elem: int  # first element in the entry (memory order)
-    numel: int
+    block: Block  # shard: first element in the holding rank's row; full: in the entry
+
+    @property
+    def local_elem(self) -> int:
+        return self.block.shard
+
+    @property
+    def dst_elem(self) -> int:
+        return self.block.full
+
+    @property
+    def numel(self) -> int:
+        return self.block.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.entry.target_dtype.itemsize
+
+    def writes(self, at: int) -> list[tuple[int, int, int]]:
+        """Where its elements go in a file whose entry starts at byte ``at``:
+        ``(file offset, offset in the piece packed, bytes)`` per run."""
+        size = self.entry.target_dtype.itemsize
+        r = self.block.run_numel
+        fs = self.block.strides[1]
+        return [
+            (at + (self.block.full + i * fs) * size, i * r * size, r * size)
+            for i in range(self.block.count)
+        ]
 
 
 def pieces_of(
     plan: GatherPlan, participating: Callable[[int], bool], rank: int | None = None
 ) -> list[Piece]:
-    """The contiguous runs of every gathered entry held by global ``rank`` (default:
-    this process), for the sources ``participating(source index)`` selects."""
+    """The blocks of every gathered entry held by global ``rank`` (default: this
+    process), for the sources ``participating(source index)`` selects."""
     me = plan.rank if rank is None else rank
     out: list[Piece] = []
     for e in plan.entries.values():
@@ -48,11 +74,9 @@ def pieces_of(
         row = src.rank if me == plan.rank else row_of_rank(src, me)
         if row is None:
             continue
-        p = src.row_numel
-        lo = min(max(row * p - e.base, 0), e.numel)
-        hi = min(max((row + 1) * p - e.base, 0), e.numel)
-        if hi > lo:
-            out.append(Piece(e, e.base + lo - row * p, lo, hi - lo))
+        start = row * src.row_numel
+        for b in row_blocks(e, row):
+            out.append(Piece(e, replace(b, shard=b.shard - start)))
     return out
 
 
@@ -70,13 +94,37 @@ class Rows:
         return self._rows[id(src)]
 
     def piece(self, pc: Piece) -> torch.Tensor:
+        """A contiguous piece's elements (a view of the row)."""
         return self.of(pc.entry)[pc.local_elem : pc.local_elem + pc.numel]
 
-    def part(self, p: Part) -> torch.Tensor:
-        """A part of this rank's own elements (message parts are made of them)."""
-        e = p.entry
-        first = e.base + p.start - e.source.rank * e.source.row_numel
-        return self.of(e)[first : first + p.numel]
+    def held(self, entry: Entry, held: Block) -> torch.Tensor:
+        """The elements of a block of this rank's row: a 1-D view when contiguous,
+        else ``[count, run]`` (strided)."""
+        row = self.of(entry)
+        if held.contiguous:
+            return row[held.shard : held.shard + held.numel]
+        return row[held.shard :].as_strided((held.count, held.run_numel), (held.strides[0], 1))
+
+    def pack(self, entry: Entry, held: Block, dtype: torch.dtype, out: torch.Tensor) -> None:
+        """The elements of ``held`` (a block of this rank's row of ``entry``'s source),
+        cast to ``dtype``, packed into ``out`` (uint8) by one copy-out."""
+        pack_into(self.of(entry), held, dtype, out)
+
+
+def pack_into(row: torch.Tensor, held: Block, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """``out`` (uint8, ``held.numel`` elements of ``dtype``) = the elements of block
+    ``held`` of the 1-D ``row``, packed run after run, cast by the copy-out kernel
+    (bit-identical to ``Tensor.to``)."""
+    if held.numel == 0:
+        return
+    if held.contiguous:
+        cast_into(row[held.shard : held.shard + held.numel], dtype, out)
+        return
+    n = row.numel()
+    rows = row.contiguous().view(torch.uint8).view(1, -1)
+    packed = replace(held, full=0, full_stride=held.run_numel)
+    seg = L.Segment.of(packed, n, 0, L.kind_of(row.dtype), L.kind_of(dtype))
+    _ops.copy_out(rows, 0, L.segment_table([seg]), [out])
 
 
 def write_pieces(
@@ -98,10 +146,14 @@ def write_pieces(
     """
     rows = Rows()
     on_device: list[tuple[Piece, torch.Tensor]] = []
+    strided: list[Piece] = []
     buf = torch.empty(0, dtype=torch.uint8)
     bounce: Bounce | None = None
     for pc in pieces:
         e = pc.entry
+        if not pc.block.contiguous:
+            strided.append(pc)
+            continue
         chunk = rows.piece(pc)
         if chunk.is_cuda:
             on_device.append((pc, chunk))
@@ -130,6 +182,38 @@ def write_pieces(
             pwrite_from(fd, buf[: n * out_size], base + a * out_size)
     if on_device:
         _write_from_device(on_device, target)
+    if strided:
+        _write_runs(strided, rows, target)
+
+
+def _write_runs(
+    pieces: list[Piece], rows: Rows, target: Callable[[Entry], tuple[int, int]]
+) -> None:
+    """Strided pieces (a DTensor's block under row-wise TP): whole runs at a time are
+    packed (and cast) by one copy-out into a buffer — pinned for CUDA rows, which the
+    kernel writes through its mapped address — and each run pwritten to its place."""
+    buf = torch.empty(0, dtype=torch.uint8)
+    with staging.slabs(1) as slabs:
+        for pc in pieces:
+            b, size = pc.block, pc.entry.target_dtype.itemsize
+            row = rows.of(pc.entry)
+            fd, at = target(pc.entry)
+            r = b.run_numel
+            step = max(1, STAGING_BYTES // (r * size)) * r
+            for a in range(0, b.numel, step):
+                part = Piece(pc.entry, b.sub(a, min(b.numel, a + step))[0])
+                n = part.nbytes
+                if row.is_cuda:
+                    out = slabs.get(0, n)
+                    pack_into(row, part.block, pc.entry.target_dtype, out)
+                    torch.cuda.current_stream(row.device).synchronize()
+                else:
+                    if buf.numel() < n:
+                        buf = torch.empty(n, dtype=torch.uint8)
+                    out = buf[:n]
+                    pack_into(row, part.block, pc.entry.target_dtype, out)
+                for f_off, p_off, nbytes in part.writes(at):
+                    pwrite_from(fd, out[p_off : p_off + nbytes], f_off)
 
 
 BLOCK = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (any device's)
@@ -235,9 +319,10 @@ def copy_whole(e: Entry, out: torch.Tensor) -> None:
 
 def messages(pieces: list[Piece], message_bytes: int) -> list[list[Part]]:
     """Pack pieces in order into messages of at most ``message_bytes`` — parts of their
-    entries, already in the output dtype, 16-byte aligned (a piece larger than a message
-    is split). Each part's segment locates it in the message seen as one row, so the
-    receiver hands a message to a sink exactly like a gathered bucket."""
+    entries, already in the output dtype, packed run after run, 16-byte aligned (a piece
+    larger than a message is split). Each part's segment locates it in the message seen
+    as one row, so the receiver hands a message to a sink exactly like a gathered
+    bucket; its ``held`` says where the sender holds it."""
     cap = max(message_bytes, 4 * 16)
     out: list[list[Part]] = []
     cur: list[Part] = []
@@ -253,9 +338,12 @@ def messages(pieces: list[Piece], message_bytes: int) -> list[list[Part]]:
                 cur, used = [], 0
                 continue
             n = min(room, pc.numel - a)
-            seg = L.Segment(0, n, align(used), n, 0, 0, kind, kind)
-            cur.append(Part(pc.entry, pc.dst_elem + a, n, seg))
-            used = align(used) + n * size
+            for held in pc.block.sub(a, a + n):
+                r, fs = held.run_numel, held.strides[1]
+                packed = Block(0, held.full, held.numel, r, r, fs)
+                seg = L.Segment.of(packed, held.numel, align(used), kind, kind)
+                cur.append(Part(pc.entry, packed, seg, held))
+                used = align(used) + held.numel * size
             a += n
     if cur:
         out.append(cur)

@@ -19,7 +19,7 @@ import torch
 from .. import _dist
 from .._dist import Call
 from .buckets import Part
-from .pieces import Piece, Rows, cast_into, message_size, messages
+from .pieces import Piece, Rows, message_size, messages, pack_into
 
 # Bytes this process sent to / received from other hosts (cumulative; tests and
 # benchmarks read the difference around a call).
@@ -27,24 +27,28 @@ STATS = {"sent": 0, "received": 0}
 
 
 def pack_message(parts: list[Part], buf: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """The message for ``parts``: the local row itself when it is one same-dtype part
-    (nothing to copy), else packed (and cast) into ``buf``."""
+    """The message for ``parts``: the local row itself when it is one contiguous
+    same-dtype part (nothing to copy), else packed (and cast) into ``buf``."""
     if len(parts) == 1:
-        chunk = rows.part(parts[0])
+        p = parts[0]
+        assert p.held is not None
+        chunk = rows.held(p.entry, p.held)
         if (
-            parts[0].entry.target_dtype == chunk.dtype
+            p.held.contiguous
+            and p.entry.target_dtype == chunk.dtype
             and chunk.device == buf.device
             and chunk.is_contiguous()
         ):
             return chunk.view(torch.uint8)
     for p in parts:
+        assert p.held is not None
         off = p.segment.col_byte
         out = buf[off : off + p.nbytes]
-        chunk = rows.part(p)
-        if chunk.device.type == "cpu":
-            cast_into(chunk, p.entry.target_dtype, out)
+        row = rows.of(p.entry)
+        if row.device.type == "cpu":
+            pack_into(row, p.held, p.entry.target_dtype, out)
         else:
-            out.view(p.entry.target_dtype).copy_(chunk)
+            out.view(p.entry.target_dtype).copy_(rows.held(p.entry, p.held).reshape(-1))
     return buf[: message_size(parts)]
 
 

@@ -31,7 +31,7 @@ from ..io.safetensors_format import pwrite_from
 from . import staging
 from .buckets import Part
 from .node_local import Regions, region_layout, view
-from .pieces import copy_whole
+from .pieces import Piece, copy_whole
 
 
 class HostDict:
@@ -159,14 +159,20 @@ class HostDict:
         for p, n in zip(parts, sizes):
             off = (off + 15) // 16 * 16
             offsets.append(off)
-            segs.append(p.segment.with_dst(0, off))
+            segs.append(p.segment.with_dst(0, off, full_stride=p.block.run_numel))  # packed
             off += n
         _ops.copy_out(rows, 0, L.segment_table(segs), [slab])
         torch.cuda.current_stream(rows.device).synchronize()
         for p, n, o in zip(parts, sizes, offsets):
-            out = memory_order_flat(self._out(p.entry)).view(torch.uint8)
-            b = p.start * p.entry.target_dtype.itemsize
-            out[b : b + n].copy_(slab[o : o + n])
+            dt = p.entry.target_dtype
+            out = memory_order_flat(self._out(p.entry))
+            packed = slab[o : o + n].view(dt)
+            b = p.block
+            if b.contiguous:
+                out[b.full : b.full + b.numel].copy_(packed)
+            else:
+                dst = out[b.full :].as_strided((b.count, b.run_numel), (b.strides[1], 1))
+                dst.copy_(packed.view(b.count, b.run_numel))
 
     def flush(self) -> None:
         pass
@@ -283,20 +289,39 @@ class Files:
         pwrite_from(fd, full.contiguous().reshape(-1).view(torch.uint8), offset)
 
     def write_rows(self, rows: torch.Tensor, parts: list[Part]) -> None:
+        """Copy the parts into the slab laid out as the file, one copy-out, and pwrite:
+        the parts of an entry that tile a range of it (its rows' blocks, every rank's
+        share of a column chunk) go into one window of the slab at their file positions
+        and out in one write; parts with holes between them, packed, one write per run."""
         segs: list[L.Segment] = []
         writes: list[tuple[int, int, int, int]] = []  # (fd, slab offset, file offset, bytes)
-        off = 0
+        by_entry: dict[str, list[Part]] = {}
         for p in parts:
-            e = p.entry
-            size = e.target_dtype.itemsize
-            if not e.is_contiguous:
+            if not p.entry.is_contiguous:
                 self._write_strided(rows, p)
                 continue
-            off = (off + size - 1) // size * size
-            segs.append(p.segment.with_dst(0, off))
+            by_entry.setdefault(p.entry.key, []).append(p)
+        off = 0
+        for ps in by_entry.values():
+            e = ps[0].entry
+            size = e.target_dtype.itemsize
             fd, base = self.target(e)
-            writes.append((fd, off, base + p.start * size, p.nbytes))
-            off += p.nbytes
+            off = (off + size - 1) // size * size
+            lo = min(p.block.full for p in ps)
+            hi = max(p.block.full_elem(p.numel - 1) + 1 for p in ps)
+            total = sum(p.numel for p in ps)
+            if total == hi - lo:  # the parts tile [lo, hi): one window, one write
+                for p in ps:
+                    segs.append(p.segment.with_dst(0, off + (p.start - lo) * size))
+                writes.append((fd, off, base + lo * size, total * size))
+                off += total * size
+                continue
+            for p in ps:
+                r = p.block.run_numel
+                segs.append(p.segment.with_dst(0, off, full_stride=r))  # packed
+                for f_off, p_off, n in Piece(e, p.block).writes(base):
+                    writes.append((fd, off + p_off, f_off, n))
+                off += p.nbytes
         slab = self._slab(off, rows.is_cuda)
         if segs:
             _ops.copy_out(rows, 0, L.segment_table(segs), [slab])
@@ -450,7 +475,11 @@ class StreamSink:
         entries now complete."""
         if rows.device != self.device:
             rows = rows.to(self.device)
-        whole = {p.entry.key: p.entry for p in parts if p.start == 0 and p.numel == p.entry.numel}
+        # Entries this bucket holds all of (in one part, or one per rank's block).
+        have: dict[str, int] = {}
+        for p in parts:
+            have[p.entry.key] = have.get(p.entry.key, 0) + p.numel
+        whole = {p.entry.key: p.entry for p in parts if have[p.entry.key] == p.entry.numel}
         layout: dict[str, int] = {}
         size = 0
         if not self.owned:

@@ -31,9 +31,9 @@ from .pieces import (
     BLOCK,
     Piece,
     Rows,
-    cast_into,
     copy_whole,
     direct_io_enabled,
+    pack_into,
     pieces_of,
     write_pieces,
 )
@@ -95,12 +95,13 @@ class Snapshot:
             fd, at = target(e)
             if not isinstance(item, Entry):
                 at += item.dst_elem * e.target_dtype.itemsize
-            n = e.nbytes if isinstance(item, Entry) else item.numel * e.target_dtype.itemsize
-            off += (at - off) % BLOCK  # congruent with the file offset
+            n = e.nbytes if isinstance(item, Entry) else item.nbytes
+            if isinstance(item, Entry) or item.block.contiguous:
+                off += (at - off) % BLOCK  # congruent with the file offset
             plan.append((item, fd, at, n, off))
             off += n
         room = off if cap is None else min(off, cap)
-        on_cuda = any(rows.piece(pc).is_cuda for pc in pieces)
+        on_cuda = any(rows.of(pc.entry).is_cuda for pc in pieces)
         raw = buffer(room + BLOCK, on_cuda)
         start = (-raw.data_ptr()) % BLOCK
         self.buffer = raw[start : start + room]
@@ -117,14 +118,18 @@ class Snapshot:
             out = self.buffer[boff : boff + n]
             if isinstance(item, Entry):  # small (buffers, unsharded params)
                 out.copy_(_whole_bytes(item))
+                self.writes.append((fd, at, boff, n))
+                continue
+            row = rows.of(item.entry)
+            if side is not None and row.is_cuda:
+                with torch.cuda.stream(side):
+                    pack_into(row, item.block, item.entry.target_dtype, out)
             else:
-                chunk = rows.piece(item)
-                if side is not None and chunk.is_cuda:
-                    with torch.cuda.stream(side):
-                        cast_into(chunk, item.entry.target_dtype, out)
-                else:
-                    cast_into(chunk, item.entry.target_dtype, out)
-            self.writes.append((fd, at, boff, n))
+                pack_into(row, item.block, item.entry.target_dtype, out)
+            # A strided piece (row-wise TP) lands run by run; at = its first run's offset.
+            start = at - item.dst_elem * item.entry.target_dtype.itemsize
+            for f_off, p_off, nbytes in item.writes(start):
+                self.writes.append((fd, f_off, boff + p_off, nbytes))
         if side is not None:
             self.ready = torch.cuda.Event()
             self.ready.record(side)

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from .._layout import Block
 from ..errors import UnsupportedModelError
-from .types import Source, group_info
+from . import dtensor
+from .types import Source
 
 
 def param_records(model: nn.Module) -> list[object]:
@@ -54,23 +54,12 @@ def params_by_optimizer_param(model: nn.Module) -> dict[int, object]:
     return {id(fp.sharded_param): fp for fp in param_records(model)}
 
 
-def source_of(fp, key: str, sources: list[Source]) -> Source:  # type: ignore[no-untyped-def]
-    placement = getattr(fp, "fsdp_placement", None)
-    if placement is not None and getattr(placement, "dim", 0) != 0:
-        raise UnsupportedModelError(
-            f"{key!r}: FSDP2 shards it on dim {placement.dim}; shardgather gathers dim-0 "
-            "(Shard(0)) sharding only. Use the default shard placement for this parameter."
-        )
-    if getattr(fp, "is_dtensor", False):
-        raise UnsupportedModelError(
-            f"{key!r} is also sharded by tensor parallelism (a DTensor before fully_shard); "
-            "shardgather gathers data-parallel (FSDP) sharding only."
-        )
-    mesh_info = fp.mesh_info
-    group = getattr(mesh_info, "shard_process_group", None)
-    world, rank, ranks = group_info(group)
-    if world == 1:
-        group = None
+def source_of(fp, key: str, sources: list[Source]) -> tuple[Source, tuple[Block, ...] | None]:  # type: ignore[no-untyped-def]
+    """FSDP2's sharded parameter as a source: a DTensor on FSDP's mesh (1-D, HSDP, or
+    with TP/EP dims), its local tensor at the start of FSDP's padded shard (which is
+    where a load writes). Rows are as long as the largest local tensor: over TP split
+    unevenly, FSDP's padded shards differ between TP ranks. Returns the source and the
+    entry's blocks (None: dim-0 shards of the whole tensor, one run from 0)."""
 
     def local(fp=fp) -> torch.Tensor:
         return fp.sharded_param.to_local().detach().reshape(-1)
@@ -85,21 +74,14 @@ def source_of(fp, key: str, sources: list[Source]) -> Source:  # type: ignore[no
             )
         return data
 
-    src = Source(
-        index=len(sources),
-        group=group,
-        world=world,
-        rank=rank,
-        row_numel=int(math.prod(fp.padded_sharded_param_size)),
-        dtype=fp.sharded_param.dtype,
+    return dtensor.source_of(
+        key,
+        fp.sharded_param,
+        sources,
         local=local,
-        group_ranks=ranks,
-        description=f"FSDP2 parameter {key}",
         storage=storage,
-        device=fp.sharded_param.device,
+        description=f"FSDP2 parameter {key}",
     )
-    sources.append(src)
-    return src
 
 
 def reshard(model: nn.Module) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ShardGatherError, StateDictMismatchError
-from . import fsdp1, fsdp2
+from . import dtensor, fsdp1, fsdp2
 from .types import Entry, GatherPlan, Source, fingerprint, memory_order_flat
 
 
@@ -31,7 +31,9 @@ class ParamRef:
     """How one optimizer-visible parameter maps onto the model's plan."""
 
     param: torch.Tensor
-    kind: str  # "flat" (FSDP1 flat param), "orig" (FSDP1 use_orig_params), "fsdp2", "local"
+    # "flat" (FSDP1 flat param), "orig" (FSDP1 use_orig_params), "fsdp2", "dtensor" (a
+    # DTensor FSDP does not manage: tensor/expert parallel), "local"
+    kind: str
     source: Source
     keys: list[str]  # primary keys it covers (a flat parameter covers many)
     shard_offset: int = 0  # "orig": where its local elements start in the flat row
@@ -66,7 +68,8 @@ def param_refs(model: nn.Module, plan: GatherPlan) -> dict[int, ParamRef]:
     for p in model.parameters():
         if id(p) not in refs and ("local", id(p)) in ident:
             key = ident[("local", id(p))]
-            refs[id(p)] = ParamRef(p, "local", plan.entries[key].source, [key])
+            kind = "dtensor" if dtensor.is_dtensor(p) else "local"
+            refs[id(p)] = ParamRef(p, kind, plan.entries[key].source, [key])
     return refs
 
 
@@ -100,7 +103,7 @@ def is_elementwise(ref: ParamRef, v: Any) -> bool:
 
 def _state_row(ref: ParamRef, v: torch.Tensor) -> torch.Tensor:
     """This rank's elements of a state value, in the layout of the param's source row."""
-    if ref.kind == "fsdp2":
+    if ref.kind in ("fsdp2", "dtensor"):
         return v.to_local().detach().reshape(-1)
     if ref.kind == "local":
         return memory_order_flat(v.detach())
@@ -282,7 +285,7 @@ def _mirror(
             for k in keys:
                 pe = model_plan.entries[k]
                 entries[f"{name}/{k}"] = Entry(
-                    f"{name}/{k}", pe.shape, pe.stride, dtype, state_src, pe.base
+                    f"{name}/{k}", pe.shape, pe.stride, dtype, state_src, pe.base, blocks=pe.blocks
                 )
     plan = GatherPlan(list(entries), entries, {}, sources, model_plan.rank, model_plan.world)
     plan.fingerprint = fingerprint(plan)
@@ -402,7 +405,7 @@ def _shaped_like(r: ParamRef, row: torch.Tensor) -> Any:
     if r.kind == "orig":
         n = p.numel()
         return row[r.shard_offset : r.shard_offset + n].clone().reshape(p.shape)
-    if r.kind == "fsdp2":
+    if r.kind in ("fsdp2", "dtensor"):
         from torch.distributed.tensor import DTensor
 
         local_shape = p.to_local().shape

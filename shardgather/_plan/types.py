@@ -12,7 +12,11 @@ Glossary (one concept, one name, in Python and C++ alike):
   and call the element kind on that side ``shard_kind`` (``layout.h``).
 - **entry**: one key of the output state dict — shape, stride, dtype, and where its
   elements start in its source (``base``). Tied aliases point at their primary entry.
-- **piece**: the one contiguous run of an entry's elements that one rank holds.
+- **block**: elements of an entry that one rank holds together: runs of equal length,
+  strided on both sides (``_layout.Block``). FSDP1 and FSDP2's dim-0 shards are one run
+  per rank; a DTensor's local tensor (tensor parallel, FSDP2 on N-D meshes, expert
+  parallel) is one block or a few per rank — row-wise TP: many runs of a row's slice.
+- **piece**: a block one rank holds, seen from that rank (where it sits in its row).
 - **chunk**: columns ``[lo, hi)`` of a source gathered in one bucket.
 - **bucket**: chunks of sources sharing a group, moved by one collective.
 - **part**: a run of an entry's elements inside a carrier (a bucket's gathered rows,
@@ -35,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .._layout import Block
 
 
 @dataclass
@@ -81,6 +87,9 @@ class Entry:
     base: int  # element offset of element 0 (in memory order) in the source's flat layout
     is_buffer: bool = False
     out_dtype: torch.dtype | None = None  # dtype to produce (None: same as dtype)
+    # Where every row's elements are (flat positions in the rank-major rows), when they
+    # are not one run from ``base`` (N-D layouts); see :func:`blocks_of`.
+    blocks: tuple[Block, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -156,16 +165,34 @@ def fingerprint(plan: GatherPlan) -> str:
             s = e.source
             h.update(
                 f"{k}:{tuple(e.shape)}:{e.dtype}:{e.target_dtype}:{e.base}:{s.index}:"
-                f"{s.world}:{s.row_numel}:{s.dtype}:{s.group is None};".encode()
+                f"{s.world}:{s.row_numel}:{s.dtype}:{s.group is None}:{e.blocks};".encode()
             )
     return h.hexdigest()[:16]
 
 
-def own_range(e: Entry, src: Source | None = None) -> tuple[int, int]:
-    """This rank's elements of ``e`` (memory order) in its row of ``src`` (default: the
-    entry's own source), or all of a local tensor."""
+def blocks_of(e: Entry) -> tuple[Block, ...]:
+    """Every element of ``e``, as blocks in its source's rank-major rows."""
+    if e.blocks is not None:
+        return e.blocks
+    return (Block(e.base, 0, e.numel),) if e.numel else ()
+
+
+def row_blocks(e: Entry, row: int | None) -> list[Block]:
+    """The elements of ``e`` that row ``row`` of its source holds (all of a local
+    tensor; none for ``None``, a rank outside the source's group)."""
+    if e.source.group is None:
+        return [Block(e.base, 0, e.numel)] if e.numel else []
+    if row is None:
+        return []
+    p = e.source.row_numel
+    return [c for b in blocks_of(e) for c in b.clip(row * p, (row + 1) * p)]
+
+
+def own_blocks(e: Entry, src: Source | None = None) -> list[Block]:
+    """This rank's elements of ``e`` in its row of ``src`` (default: the entry's own
+    source), or all of a local tensor."""
     src = src or e.source
-    return elems_in_row(e.base, src.row_numel, e.numel, src.rank)
+    return row_blocks(e, src.rank if src.group is not None else 0)
 
 
 def flat_of(e: Entry, full: torch.Tensor) -> torch.Tensor:
@@ -174,12 +201,6 @@ def flat_of(e: Entry, full: torch.Tensor) -> torch.Tensor:
     if not e.is_contiguous:
         t = torch.empty_strided(tuple(e.shape), e.stride, dtype=t.dtype, device=t.device).copy_(t)
     return memory_order_flat(t.contiguous() if e.is_contiguous else t)
-
-
-def elems_in_row(base: int, p: int, numel: int, row: int) -> tuple[int, int]:
-    lo = min(max(row * p - base, 0), numel)
-    hi = min(max((row + 1) * p - base, 0), numel)
-    return lo, max(lo, hi)
 
 
 def group_info(group: dist.ProcessGroup | None) -> tuple[int, int, tuple[int, ...]]:

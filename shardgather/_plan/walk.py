@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from . import fsdp1, fsdp2
+from . import dtensor, fsdp1, fsdp2
 from .types import (
     Entry,
     GatherPlan,
@@ -77,7 +76,6 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
     entries: dict[str, Entry] = {}
     aliases: dict[str, str] = {}
     by_identity: dict[object, str] = {}
-    fsdp2_sources: dict[int, Source] = {}
 
     def add(key: str, identity: object, make: Callable[[], Entry]) -> None:
         keys.append(key)
@@ -113,27 +111,22 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
             if fp is not None:
 
                 def make2(fp=fp, key=key) -> Entry:
-                    if id(fp) not in fsdp2_sources:
-                        fsdp2_sources[id(fp)] = fsdp2.source_of(fp, key, sources)
-                    src = fsdp2_sources[id(fp)]
-                    shape = torch.Size(fp._orig_size)
-                    return Entry(key, shape, contiguous_stride(shape), src.dtype, src, 0)
+                    src, blocks = fsdp2.source_of(fp, key, sources)
+                    shape = torch.Size(fp.sharded_param.shape)
+                    return Entry(
+                        key, shape, contiguous_stride(shape), src.dtype, src, 0, blocks=blocks
+                    )
 
                 add(key, ("fsdp2", id(fp)), make2)
                 continue
-            if _is_dtensor(p):
-                raise UnsupportedModelError(
-                    f"{key!r} is a DTensor not managed by fully_shard (tensor parallelism?); "
-                    "shardgather gathers FSDP sharding only. Gather it with DTensor.full_tensor()."
-                )
-            add(key, ("local", id(p)), lambda p=p, key=key: _local_entry(key, p, sources))
+            add(key, ("local", id(p)), lambda p=p, key=key: _tensor_entry(key, p, sources))
         for name, b in mod._buffers.items():
             if b is None or name in mod._non_persistent_buffers_set:
                 continue
             key = prefix + name
 
             def makeb(b=b, key=key) -> Entry:
-                e = _local_entry(key, b, sources, is_buffer=True)
+                e = _tensor_entry(key, b, sources, is_buffer=True)
                 orig = buffer_dtypes.get(key)
                 if orig is not None and orig != e.dtype:
                     e.out_dtype = orig
@@ -148,12 +141,23 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
     return plan
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
+def _tensor_entry(
+    key: str, t: torch.Tensor, sources: list[Source], is_buffer: bool = False
+) -> Entry:
+    """A parameter or buffer FSDP does not manage: a DTensor (tensor/expert parallel,
+    ``replicate``) by its placements, any other tensor held whole by every rank."""
+    if dtensor.is_dtensor(t):
+
+        def row(t=t) -> torch.Tensor:
+            return t.to_local().detach().reshape(-1)  # type: ignore[attr-defined]
+
+        # Replicated on every mesh dim: a source of no group, held whole.
+        src, blocks = dtensor.source_of(key, t, sources, local=row, storage=row)
+        shape = torch.Size(t.shape)
+        return Entry(
+            key, shape, contiguous_stride(shape), t.dtype, src, 0, is_buffer, blocks=blocks
+        )
+    return _local_entry(key, t, sources, is_buffer=is_buffer)
 
 
 def _local_entry(
