@@ -64,6 +64,11 @@ class Options:
         timeout: the longest any wait of the call may last.
         transport: see :class:`Transport`.
         shared_filesystem: every host sees the output path (saves: every rank writes).
+        strict: loads: missing or unexpected keys are an error.
+        in_flight: saves: what to do while an earlier ``blocking=False`` save of the
+            model is pending (``"wait"``: finish it first; ``"error"``: raise).
+        max_snapshot_mb: async saves: at most this much staging (None: no cap).
+        write_mb_per_s: async saves: the background writer's pace (None: the disk's).
     """
 
     dtype: torch.dtype | None = None
@@ -74,6 +79,10 @@ class Options:
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     transport: Transport = Transport.AUTO
     shared_filesystem: bool = False
+    strict: bool = True
+    in_flight: str = "wait"
+    max_snapshot_mb: float | None = None
+    write_mb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.bucket_mb is not None and not (
@@ -91,10 +100,33 @@ class Options:
                 f"timeout must be a positive datetime.timedelta, got {self.timeout!r}"
             )
         object.__setattr__(self, "transport", transport_of(self.transport))
+        if self.in_flight not in ("wait", "error"):
+            raise ShardGatherError(f"in_flight must be 'wait' or 'error', got {self.in_flight!r}")
+        if self.max_snapshot_mb is not None and not (
+            isinstance(self.max_snapshot_mb, (int, float)) and self.max_snapshot_mb >= 0
+        ):
+            raise ShardGatherError(f"max_snapshot_mb must be >= 0, got {self.max_snapshot_mb}")
+        if self.write_mb_per_s is not None and not (
+            isinstance(self.write_mb_per_s, (int, float)) and self.write_mb_per_s > 0
+        ):
+            raise ShardGatherError(f"write_mb_per_s must be > 0, got {self.write_mb_per_s}")
+        for name in ("rank0_only", "pin_memory", "progress", "shared_filesystem", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShardGatherError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.pin_memory and not torch.cuda.is_available():
             raise ShardGatherError(
                 "pin_memory=True needs CUDA (pinned memory is page-locked for DMA)"
             )
+
+    @property
+    def snapshot_cap(self) -> int | None:
+        """Bytes of staging an async save may take (None: no cap)."""
+        return None if self.max_snapshot_mb is None else int(self.max_snapshot_mb * 2**20)
+
+    @property
+    def write_rate(self) -> float | None:
+        """Bytes per second the background writer may write (None: the disk's pace)."""
+        return None if self.write_mb_per_s is None else self.write_mb_per_s * 2**20
 
     def bucket_bytes(self, on_cuda: bool) -> int:
         mb = (

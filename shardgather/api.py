@@ -18,9 +18,10 @@ from torch import nn
 from ._dist import Call
 from ._engine import load as L
 from ._engine import run, snapshot, staging
+from ._engine.optim_state import skeleton_of, state_plan
 from ._engine.sinks import Files, HostDict, file_set
 from ._engine.snapshot import AsyncSave
-from ._options import DEFAULT_TIMEOUT, Options, check_model
+from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
 from .errors import CheckpointError, ShardGatherError
@@ -213,16 +214,19 @@ def save_full_state_dict(
         ...     model, "out/llama", max_shard_size="5GB", key_map={"": "model."},
         ...     files={"config.json": hf_config.to_dict()})
     """
-    snapshot.settle(model, in_flight)
+    opts = Options(
+        dtype=dtype,
+        bucket_mb=bucket_mb,
+        progress=progress,
+        timeout=timeout,
+        transport=transport,
+        shared_filesystem=shared_filesystem,
+        in_flight=in_flight,
+        max_snapshot_mb=max_snapshot_mb,
+        write_mb_per_s=write_mb_per_s,
+    )
+    snapshot.settle(model, opts.in_flight)
     with Call("save_full_state_dict", timeout) as call:
-        opts = Options(
-            dtype=dtype,
-            bucket_mb=bucket_mb,
-            progress=progress,
-            timeout=timeout,
-            transport=transport,
-            shared_filesystem=shared_filesystem,
-        )
         plan = build_plan(check_model(model), dtype=dtype)
         fs = file_set(plan, path, **_file_options(plan, metadata, max_shard_size, files, key_map))
         sink = Files(fs, what="save_full_state_dict")
@@ -231,26 +235,8 @@ def save_full_state_dict(
             return None
         keep: list[Any] = []
         buffer = snapshot.buffer_for(model, "model", keep, reuse_staging)
-        later = snapshot.gather_later(
-            call, plan, sink, opts, buffer, _cap(max_snapshot_mb), write_rate(write_mb_per_s)
-        )
+        later = snapshot.gather_later(call, plan, sink, opts, buffer)
     return snapshot.start(model, AsyncSave(call, [later], owner=id(model), keep=keep))
-
-
-def write_rate(write_mb_per_s: float | None) -> float | None:
-    if write_mb_per_s is None:
-        return None
-    if not write_mb_per_s > 0:
-        raise ShardGatherError(f"write_mb_per_s must be > 0, got {write_mb_per_s}")
-    return write_mb_per_s * 2**20
-
-
-def _cap(max_snapshot_mb: float | None) -> int | None:
-    if max_snapshot_mb is None:
-        return None
-    if not max_snapshot_mb >= 0:
-        raise ShardGatherError(f"max_snapshot_mb must be >= 0, got {max_snapshot_mb}")
-    return int(max_snapshot_mb * 2**20)
 
 
 def _file_options(
@@ -362,7 +348,7 @@ def load_full_state_dict(
         StateDictMismatchError: keys (strict), shapes or non-castable dtypes differ.
     """
     with Call("load_full_state_dict", timeout) as call:
-        opts = Options(bucket_mb=bucket_mb, timeout=timeout, transport=transport)
+        opts = Options(bucket_mb=bucket_mb, timeout=timeout, transport=transport, strict=strict)
         if not isinstance(source, (str, os.PathLike, Mapping)):
             raise ShardGatherError(
                 f"source must be a file path or a dict of tensors, got {type(source).__name__}"
@@ -370,28 +356,29 @@ def load_full_state_dict(
         reshard_for_load(check_model(model))  # else a forward after an evaluation ignores it
         plan = build_plan(model)
         what, src, renamed = _open_source(call, source, key_map)
-        loading = L.Loading(plan, src)
-        shapes = src.shapes() if loading.has else None
-        result = None
-        if shapes is not None:
-            result = L.validate(plan, shapes, strict, what, renamed)
-            loading.take(shapes)
-            if opts.transport != "collective":
+        seen = None  # the shapes this rank validated (rank 0's serve the ranks without)
+        if src is not None and src.has:
+            seen = src.shapes()
+            L.validate(plan, seen, opts.strict, what, renamed)
+            if opts.transport != Transport.COLLECTIVE:
+                feeds = L.Loading(plan, src)
+                feeds.take(seen)
                 try:
-                    src.locate_own(plan, loading.keys)  # type: ignore[union-attr]
+                    src.locate_own(plan, feeds.keys)
                 except CheckpointError as exc:
                     raise CheckpointError(
                         f"load_full_state_dict({what!r}): nothing was loaded: {exc}"
                     ) from None
-        agreed = L.plan_round(call, plan, loading.has, opts, extra=shapes)
-        if shapes is None:  # this rank holds nothing: rank 0 validated what it sends
-            shapes = agreed.rank0_extra
-            result = L.validate(plan, shapes, strict, what, renamed)
+        result: list[L.LoadResult] = []
+
+        def build(shapes: L.Shapes) -> list[L.Loading]:
+            result.append(L.validate(plan, shapes, opts.strict, what, renamed))
+            loading = L.Loading(plan, src if seen is not None else None)
             loading.take(shapes)
-        L.move(call, [loading], agreed, opts)
-        call.round("done")
-    assert result is not None
-    return result
+            return [loading]
+
+        L.run(call, plan, opts, seen=seen, build=build, sources=[src])
+    return result[0]
 
 
 def _open_source(
@@ -450,16 +437,6 @@ def full_optim_state_dict(
     return st.assemble(gathered) if gathered is not None else {}
 
 
-def state_plan(call: Call, model: nn.Module, optimizer: torch.optim.Optimizer) -> O.StatePlan:
-    """The optimizer state's gather plan: every rank's description of the states it
-    holds, merged (one round), then the same plan everywhere."""
-    plan = build_plan(model)
-    groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
-    mine = O.local_meta([r for g in groups for r in g], optimizer)
-    every = call.round("optimizer state", same=plan.fingerprint, payload=mine, gather="all")
-    return O.gather_state_plan(plan, groups, O.merge_meta(every), optimizer)
-
-
 def load_full_optim_state_dict(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -483,49 +460,27 @@ def load_full_optim_state_dict(
         opts = Options(timeout=timeout, transport=transport)
         plan = build_plan(check_model(model))
         groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
-        skeleton = None
-        source: L.DictSource | None = None
+        skeleton, source = None, None
         if osd:
-            skeleton, tensors = _optim_skeleton(plan, groups, osd)
+            skeleton, tensors = skeleton_of(plan, groups, osd)
             source = L.DictSource(tensors)
-        # A rank without osd checks its groups only through this round (too late after).
-        also = O.groups_fingerprint(groups)
-        agreed = L.plan_round(call, plan, source is not None, opts, extra=skeleton, also_same=also)
-        param_groups, scalars, elements = skeleton if skeleton is not None else agreed.rank0_extra
-        load_plan, rows = O.load_state_plan(plan, groups, elements)
-        state = L.Loading(load_plan, source)
-        state.take(O.element_shapes(plan, elements))
-        L.move(call, [state], agreed, opts)
-        call.round("done")
-        loaded = O.LoadedState(rows, scalars, elements, param_groups)
-        optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded))
+        loaded: list[O.LoadedState] = []
 
+        def build(skeleton: O.Skeleton) -> list[L.Loading]:
+            param_groups, scalars, elements = skeleton
+            load_plan, rows = O.load_state_plan(plan, groups, elements)
+            loaded.append(O.LoadedState(rows, scalars, elements, param_groups))
+            state = L.Loading(load_plan, source)
+            state.take(O.element_shapes(plan, elements))
+            return [state]
 
-def _optim_skeleton(
-    plan: GatherPlan, groups: list[list[O.ParamRef]], osd: dict[str, Any]
-) -> tuple[O.Skeleton, dict[str, torch.Tensor]]:
-    """(param groups, scalars, element-wise dtypes) and the element-wise tensors of a
-    full optimizer state dict, checked against the optimizer."""
-    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
-        raise ShardGatherError(
-            "osd must be a dict with 'state' and 'param_groups' "
-            "(from shardgather.full_optim_state_dict)"
+        # A rank without osd checks its groups only through the plan round (too late after).
+        L.run(
+            call,
+            plan,
+            opts,
+            seen=skeleton,
+            build=build,
+            also_same=O.groups_fingerprint(groups),
         )
-    O.check_groups(groups, osd["param_groups"])
-    scalars: dict[str, dict[str, Any]] = {}
-    elements: dict[str, dict[str, torch.dtype]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for key, st in osd["state"].items():
-        e = plan.entries.get(key)
-        for name, v in st.items():
-            if (
-                e is not None
-                and isinstance(v, torch.Tensor)
-                and v.dim() > 0
-                and tuple(v.shape) == tuple(e.shape)
-            ):
-                elements.setdefault(key, {})[name] = v.dtype
-                tensors[f"{name}/{key}"] = v
-            else:
-                scalars.setdefault(key, {})[name] = v
-    return (osd["param_groups"], scalars, elements), tensors
+        optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded[0]))

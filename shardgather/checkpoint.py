@@ -32,12 +32,12 @@ from torch import nn
 from ._dist import Call
 from ._engine import load as L
 from ._engine import run, snapshot
+from ._engine.optim_state import state_plan
 from ._engine.sinks import Files, file_set
 from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
-from .api import state_plan, write_rate
 from .errors import CheckpointError, StateDictMismatchError
 from .io import json_values
 from .io.publish import publish_dir
@@ -99,10 +99,15 @@ def save_checkpoint(
         >>> shardgather.save_checkpoint("ckpt/step_1000", model, optimizer,
         ...                             extra={"step": 1000, "rng": torch.get_rng_state()})
     """
-    snapshot.settle(model, in_flight)
+    opts = Options(
+        timeout=timeout,
+        shared_filesystem=shared_filesystem,
+        in_flight=in_flight,
+        write_mb_per_s=write_mb_per_s,
+    )
+    snapshot.settle(model, opts.in_flight)
     final = os.path.abspath(os.fspath(path))
     with Call("save_checkpoint", timeout) as call:
-        opts = Options(timeout=timeout, shared_filesystem=shared_filesystem)
         plan = build_plan(check_model(model))
         st = state_plan(call, model, optimizer) if optimizer is not None else None
         tmp = _temporary_dir(call, final)
@@ -131,7 +136,6 @@ def save_checkpoint(
                     _files(plan, tmp, MODEL_FILE),
                     opts,
                     snapshot.buffer_for(model, "model", keep, reuse_staging),
-                    bytes_per_s=write_rate(write_mb_per_s),
                 )
             ]
             if st is not None:
@@ -142,7 +146,6 @@ def save_checkpoint(
                         _files(st.plan, tmp, OPTIM_FILE),
                         opts,
                         snapshot.buffer_for(model, "optim", keep, reuse_staging),
-                        bytes_per_s=write_rate(write_mb_per_s),
                     )
                 )
         except BaseException:
@@ -341,7 +344,7 @@ def load_checkpoint(
         StateDictMismatchError: the model or optimizer does not match.
     """
     with Call("load_checkpoint", timeout) as call:
-        opts = Options(timeout=timeout, transport=transport)
+        opts = Options(timeout=timeout, transport=transport, strict=strict)
         root = os.fspath(path)
         model_file = os.path.join(root, MODEL_FILE)
         reshard_for_load(check_model(model))
@@ -358,7 +361,7 @@ def load_checkpoint(
                 )
             tensors = stored_tensors(model_file)
             shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-            L.validate(plan, shapes, strict, model_file)
+            L.validate(plan, shapes, opts.strict, model_file)
             model_source = L.StoredSource(tensors, model_file)
             skeleton = None
             if groups is not None:
@@ -370,29 +373,34 @@ def load_checkpoint(
             if call.rank == 0:
                 extra = _torch_load(extra_file, trust_pickle) if os.path.isfile(extra_file) else {}
             opened = _Opened(shapes, skeleton, extra)
+        loaded: list[O.LoadedState] = []
+
+        def build(opened: _Opened) -> list[L.Loading]:
+            loadings = [L.Loading(plan, model_source)]
+            loadings[0].take(opened.shapes)
+            if groups is not None:
+                assert opened.skeleton is not None
+                param_groups, scalars, elements = opened.skeleton
+                load_plan, rows = O.load_state_plan(plan, groups, elements)
+                state = L.Loading(load_plan, state_source)
+                state.take(O.element_shapes(plan, elements))
+                loadings.append(state)
+                loaded.append(O.LoadedState(rows, scalars, elements, param_groups))
+            return loadings
+
         # Every rank validated what it sees (and rank 0, what it will send): all go on,
-        # or all raise, before any change. The optimizer's groups must agree too: a
-        # rank checking rank 0's skeleton after this round would be too late.
-        also = O.groups_fingerprint(groups) if groups is not None else ""
-        agreed = L.plan_round(call, plan, sees, opts, extra=opened, also_same=also)
-        rank0 = agreed.rank0_extra
-        assert isinstance(rank0, _Opened)
-        if opened is None:  # rank 0 read and validated it: the same model and groups here
-            opened = rank0
-        loadings = [L.Loading(plan, model_source)]
-        loadings[0].take(opened.shapes)
-        loaded = None
-        if groups is not None:
-            assert opened.skeleton is not None
-            param_groups, scalars, elements = opened.skeleton
-            load_plan, rows = O.load_state_plan(plan, groups, elements)
-            state = L.Loading(load_plan, state_source)
-            state.take(O.element_shapes(plan, elements))
-            loadings.append(state)
-            loaded = O.LoadedState(rows, scalars, elements, param_groups)
-        L.move(call, loadings, agreed, opts)
-        call.round("done")
+        # or all raise, before any change. The optimizer's groups must agree too: a rank
+        # checking rank 0's skeleton after this round would be too late.
+        view = L.run(
+            call,
+            plan,
+            opts,
+            seen=opened,
+            build=build,
+            sources=[model_source, state_source],
+            also_same=O.groups_fingerprint(groups) if groups is not None else "",
+        )
         if optimizer is not None:
-            assert groups is not None and loaded is not None
-            optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded))
-    return rank0.extra
+            assert groups is not None
+            optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded[0]))
+    return view.extra

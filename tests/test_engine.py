@@ -296,6 +296,24 @@ def test_bad_timeouts_are_refused() -> None:
         sg.full_state_dict(torch.nn.Linear(2, 2), timeout=5)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"in_flight": "later"},
+        {"max_snapshot_mb": -1},
+        {"write_mb_per_s": 0},
+        {"shared_filesystem": "yes"},
+    ],
+    ids=str,
+)
+def test_save_options_are_validated_before_anything_happens(tmp_path, bad) -> None:  # type: ignore[no-untyped-def]
+    """Every option is checked once, up front (in_flight took any value before)."""
+    name = next(iter(bad))
+    with pytest.raises(sg.ShardGatherError, match=name):
+        sg.save_full_state_dict(torch.nn.Linear(2, 2), tmp_path / "m.safetensors", **bad)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------ the pinned staging pool
 
 

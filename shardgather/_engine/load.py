@@ -22,7 +22,7 @@ the source; the **done round** after the data moved.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -68,6 +68,12 @@ class DictSource:
     def locate_own(self, plan: GatherPlan, keys: Mapping[str, str]) -> None:
         pass
 
+    def load_own(self, sink: Shards, e: Entry, key: str) -> None:
+        sink.write_own(e, self.tensors[key])
+
+    def close(self) -> None:
+        pass
+
 
 class StoredSource:
     """Tensors in files, by model key."""
@@ -101,6 +107,9 @@ class StoredSource:
             at = (first - lo) * size
             pread_into(self.fd(path), buf[at : at + count * size], offset)
             _dist.STATS["bytes_read"] += count * size
+
+    def load_own(self, sink: Shards, e: Entry, key: str) -> None:
+        sink.read_own(e, self, key)
 
     def flat(self, e: Entry, key: str) -> torch.Tensor:
         stored = self.tensors[key]
@@ -363,29 +372,53 @@ def plan_round(
     )
 
 
+def run(
+    call: Call,
+    plan: GatherPlan,
+    opts: Options,
+    *,
+    seen: Any,
+    build: Callable[[Any], list[Loading]],
+    sources: Sequence[Source | None] = (),
+    also_same: str = "",
+) -> Any:
+    """The way back, for every load verb: the plan round, then the loadings, the data
+    phase and the done round. A rank that read and validated its source (``seen``: what
+    it found — shapes, optimizer metadata... — never None then) takes part as a holder;
+    rank 0's ``seen`` goes to the ranks that hold nothing, which validate against it.
+    ``build(seen)`` makes the loadings once every rank agreed (a failure anywhere before
+    that raises on every rank and changes nothing). ``sources``: closed at the end.
+
+    Returns:
+        Rank 0's ``seen`` (what only rank 0 reads, such as a checkpoint's ``extra``, is
+        every rank's then).
+    """
+    try:
+        agreed = plan_round(call, plan, seen is not None, opts, extra=seen, also_same=also_same)
+        view = seen if seen is not None else agreed.rank0_extra
+        move(call, build(view), agreed, opts)
+        call.round("done")
+        return agreed.rank0_extra
+    finally:
+        for src in sources:
+            if src is not None:
+                src.close()
+
+
 def move(call: Call, loadings: list[Loading], agreed: Agreement, opts: Options) -> None:
     """The data phase: every loading's present entries into this rank's shards."""
     sink = Shards(opts.bucket_bytes(False))
-    try:
-        if agreed.node_local:
-            for ld in loadings:
-                assert ld.source is not None
-                for key, e in ld.plan.entries.items():
-                    src_key = ld.keys.get(key)
-                    if src_key is None:
-                        continue
-                    if isinstance(ld.source, StoredSource):
-                        sink.read_own(e, ld.source, src_key)
-                    else:
-                        sink.write_own(e, ld.source.tensors[src_key])
-        else:
-            group = data_group(call)
-            for ld in loadings:
-                _scatter(call, ld, sink, group, agreed.rows_of)
-    finally:
+    if agreed.node_local:
         for ld in loadings:
-            if isinstance(ld.source, StoredSource):
-                ld.source.close()
+            assert ld.source is not None
+            for key, e in ld.plan.entries.items():
+                src_key = ld.keys.get(key)
+                if src_key is not None:
+                    ld.source.load_own(sink, e, src_key)
+    else:
+        group = data_group(call)
+        for ld in loadings:
+            _scatter(call, ld, sink, group, agreed.rows_of)
 
 
 def blocks_for(e: Entry, rows: Mapping[int, int]) -> list[Block]:

@@ -32,7 +32,7 @@ from .buckets import Bucket, bucket_parts, my_buckets
 from .collective import BucketGathers, gather_buckets
 from .pieces import pieces_of, write_pieces
 from .remote import receive_pieces, send_pieces
-from .sinks import Files, HostDict
+from .sinks import Sink
 
 
 def on_cuda(plan: GatherPlan) -> bool:
@@ -47,7 +47,7 @@ def host_buckets(plan: GatherPlan) -> bool:
     return any(s.group is not None and s.device.type != "cuda" for s in plan.sources)
 
 
-def gather(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -> Any:
+def gather(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Any:
     """Every primary entry of ``plan`` into ``sink``; returns ``sink.finish``'s result.
     Collective: every rank, same plan (the plan round checks it)."""
     try:
@@ -75,12 +75,12 @@ class Route:
         return lambda i: 0 in plan.sources[i].group_ranks
 
 
-def route(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -> Route:
+def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
     """Choose the transport and set the sink up, with the plan round: rank 0 decides
     (it alone knows its free shared memory and which shard groups take part) and
     prepares the sink (regions, temporary files); the round agrees on the plan and
     hands rank 0's choice and names to everyone, who then open what rank 0 made."""
-    is_dict = isinstance(sink, HostDict)
+    is_dict = sink.into_memory
     why: str | None = "collective"
     if opts.transport != Transport.COLLECTIVE:
         why = node_local.unusable_because(
@@ -128,7 +128,7 @@ def route(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options) -
     return Route(local, remote, writes_pieces, receives, group, buckets)
 
 
-def move(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options, way: Route) -> None:
+def move(call: Call, plan: GatherPlan, sink: Sink, opts: Options, way: Route) -> None:
     """The data phase, then each rank flushes its own writes."""
     total = sum(e.nbytes for e in plan.entries.values())
     bar = Progress(opts.progress and way.receives, total, f"shardgather: {call.what}")
@@ -145,7 +145,7 @@ def move(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options, wa
             if call.rank in way.remote:
                 send_pieces(call, mine, message_bytes, way.group)
             elif way.writes_pieces:
-                write_pieces(mine, sink.target, getattr(sink, "direct_fd", None))
+                write_pieces(mine, sink.target, sink.direct_fd)
             if call.rank == 0:
                 bar.update(sum(pc.numel * pc.entry.target_dtype.itemsize for pc in mine))
                 for sender in way.remote:
@@ -165,12 +165,12 @@ def move(call: Call, plan: GatherPlan, sink: HostDict | Files, opts: Options, wa
         bar.close()
 
 
-def finish(call: Call, sink: HostDict | Files) -> Any:
+def finish(call: Call, sink: Sink) -> Any:
     """The done round (every rank's data is in place), then the sink's result; a file
     is published by rank 0 and agreed on (it exists for everyone once this returns)."""
     call.round("done")
     result = sink.finish(call)
-    if isinstance(sink, Files):
+    if sink.publishes:
         call.round("published")
     return result
 

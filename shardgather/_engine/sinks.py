@@ -12,13 +12,14 @@ A sink takes bytes three ways, whatever the transport:
 
 Setting up (``prepare`` on rank 0, whose hand-off the others ``open`` after the plan
 round), flushing each rank's own writes, finishing and aborting complete the protocol
-that :func:`shardgather._engine.run.gather` drives.
+that :func:`shardgather._engine.run.gather` drives (:class:`Sink`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +35,43 @@ from .node_local import Regions, region_layout, view
 from .pieces import Piece, copy_whole
 
 
+class Sink(Protocol):
+    """What :func:`shardgather._engine.run.gather` drives: the sinks of a gather."""
+
+    into_memory: bool  # the node-local destination is shared memory (else files)
+    pieces_need_contiguous: bool  # node-local pieces must be contiguous entries
+    publishes: bool  # finish() publishes a file, which one more round agrees on
+
+    @property
+    def shm_bytes(self) -> int: ...  # shared memory the node-local transport needs
+
+    def prepare(self, call: Call, node_local: bool, memfd: bool) -> Any: ...
+
+    def open(self, call: Call, node_local: bool, handoff: Any, writes_pieces: bool) -> None: ...
+
+    def target(self, e: Entry) -> tuple[int, int]: ...
+
+    def direct_fd(self, fd: int) -> int: ...
+
+    def write_whole(self, e: Entry) -> None: ...
+
+    def write_rows(self, rows: torch.Tensor, parts: list[Part]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def finish(self, call: Call) -> Any: ...
+
+    def abort(self, call: Call) -> None: ...
+
+
+@dataclass
+class Handoff:
+    """What rank 0 hands the other ranks of its host after making the regions."""
+
+    names: list[str] | None = None  # what they open
+    reuse: bool = False  # the regions a Gatherer holds, made for this plan: as they are
+
+
 class HostDict:
     """The full state dict in host memory, on the receiving ranks.
 
@@ -46,7 +84,9 @@ class HostDict:
             made for the same plan, and left open at the end.
     """
 
+    into_memory = True
     pieces_need_contiguous = False
+    publishes = False
 
     def __init__(
         self,
@@ -80,11 +120,11 @@ class HostDict:
         self.offsets = region_layout(self.plan)[0]
         if self.held is not None and self.held.key == self.plan.fingerprint:
             self.regions = self.held
-            return "reuse"
+            return Handoff(reuse=True)
         if self.held is not None:
             self.held.close()
         self.regions = self.held if self.held is not None else Regions()
-        return self.regions.create(self.plan, memfd)
+        return Handoff(self.regions.create(self.plan, memfd))
 
     def open(self, call: Call, node_local: bool, handoff: Any, writes_pieces: bool) -> None:
         if not node_local:
@@ -101,7 +141,7 @@ class HostDict:
         self.offsets = region_layout(self.plan)[0]
         if call.rank == 0:
             return
-        if handoff == "reuse":
+        if handoff.reuse:
             if self.held is None or self.held.key != self.plan.fingerprint:
                 raise RuntimeError("rank 0 reuses its shared regions, this rank has none open")
             self.regions = self.held
@@ -110,12 +150,15 @@ class HostDict:
                 self.held.close()
             self.regions = self.held if self.held is not None else Regions()
             if writes_pieces:
-                self.regions.open(self.plan, handoff)
+                self.regions.open(self.plan, handoff.names)
 
     def target(self, e: Entry) -> tuple[int, int]:
         assert self.regions is not None
         dt, offset = self.offsets[e.key]
         return self.regions.fds[dt], offset
+
+    def direct_fd(self, fd: int) -> int:
+        return -1  # shared memory: the page cache is the destination
 
     def _out(self, e: Entry) -> torch.Tensor:
         if self.regions is not None:
@@ -244,7 +287,10 @@ class Files:
     pwritten; non-contiguous entries (e.g. channels_last) are assembled whole first
     (safetensors stores C-order bytes)."""
 
+    into_memory = False
     pieces_need_contiguous = True
+    publishes = True
+    shm_bytes = 0
 
     def __init__(self, fs: FileSet, *, what: str) -> None:
         self.fs, self.what = fs, what

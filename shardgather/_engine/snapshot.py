@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .._dist import Call
+from .._options import Options
 from .._plan import Entry, GatherPlan
 from ..errors import CollectiveError, ShardGatherError
 from ..io.safetensors_format import pwrite_from
@@ -217,10 +218,8 @@ def gather_later(
     call: Call,
     plan: GatherPlan,
     sink: Files,
-    opts: Any,
+    opts: Options,
     buffer: Callable[[int, bool], torch.Tensor],
-    cap: int | None = None,
-    bytes_per_s: float | None = None,
 ) -> Later:
     """Route ``plan`` into ``sink`` and snapshot this rank's part of the data phase.
     Where the node-local transport cannot run (ranks on other hosts without a shared
@@ -239,8 +238,8 @@ def gather_later(
         snap = Snapshot()
         whole = [e for e in plan.entries.values() if e.source.group is None] if way.receives else []
         mine = pieces_of(plan, way.participating(plan)) if way.writes_pieces else []
-        snap.take(whole, mine, sink.target, buffer, cap, sink.direct_fd)
-        return Later(call, sink, snap, bytes_per_s)
+        snap.take(whole, mine, sink.target, buffer, opts.snapshot_cap, sink.direct_fd)
+        return Later(call, sink, snap, opts.write_rate)
     except BaseException:
         sink.abort(call)
         raise
