@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -r requirements-dev.txt
+python3 -m pip install -q --no-deps -r requirements-nodeps.txt
 # With nvcc on PATH the CUDA kernels must build: a compile failure fails the setup.
 if [[ -z "${SHARDGATHER_CUDA:-}" ]] && command -v nvcc >/dev/null 2>&1; then
   export SHARDGATHER_CUDA=1

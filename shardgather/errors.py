@@ -12,7 +12,7 @@ class BuildError(ShardGatherError):
 
 
 class UnsupportedModelError(ShardGatherError):
-    """The model uses a setup shardgather cannot gather (e.g. tensor-parallel DTensors)."""
+    """The model uses a setup shardgather cannot gather (e.g. a ``Partial`` DTensor placement)."""
 
 
 class CollectiveError(ShardGatherError):

@@ -3,6 +3,7 @@ parameter and persistent buffer becoming an entry (FSDP1, FSDP2 or local)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -88,7 +89,10 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
             e.out_dtype = dtype
         entries[key] = e
 
+    hooked: list[str] = []
     for prefix, mod in _walk(model, ""):
+        if mod._state_dict_hooks or mod._state_dict_pre_hooks:
+            hooked.append(prefix.rstrip(".") or "<root>")
         names = [
             n for n, p in mod._parameters.items() if p is not None and not fsdp1.is_flat_param(p)
         ]
@@ -134,11 +138,36 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
 
             add(key, ("local", id(b)), makeb)
 
+    if hooked:
+        _warn_state_dict_hooks(hooked)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan = GatherPlan(keys, entries, aliases, sources, rank, world, identities=by_identity)
     plan.fingerprint = fingerprint(plan)
     return plan
+
+
+_WARNED_HOOKS: set[tuple[str, ...]] = set()
+
+
+def _warn_state_dict_hooks(prefixes: list[str]) -> None:
+    """A module's own ``state_dict`` hooks may rename or transform what it saves (torchtitan's
+    fused QKV splits ``wqkv`` into ``wq``/``wk``/``wv``). shardgather names tensors as the
+    parameters are registered and never runs those hooks: say so once per model layout rather
+    than let the two dicts differ silently."""
+    key = tuple(prefixes)
+    if key in _WARNED_HOOKS:
+        return
+    _WARNED_HOOKS.add(key)
+    shown = ", ".join(repr(p) for p in prefixes[:3]) + (" ..." if len(prefixes) > 3 else "")
+    warnings.warn(
+        f"{len(prefixes)} module(s) register state_dict hooks ({shown}); shardgather names "
+        "each tensor as the module registers it and does not run those hooks, so its keys "
+        "or values can differ from model.state_dict(). Rename with key_map=, or build the "
+        "model without the hooked modules (e.g. torchtitan fuse_qkv=False).",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _tensor_entry(
