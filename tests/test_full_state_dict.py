@@ -484,6 +484,26 @@ def test_plain_module_without_process_group() -> None:
     assert got["embed.weight"].data_ptr() != model.embed.weight.data_ptr()
 
 
+def test_a_module_renaming_itself_in_a_state_dict_hook_is_warned_once() -> None:
+    """shardgather does not run a module's own state_dict hooks (torchtitan's fused QKV
+    splits itself in one): the keys would differ from state_dict() without a word."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = TinyLM()
+
+    def rename(module, sd, prefix, local_metadata):  # type: ignore[no-untyped-def]
+        sd[prefix + "w"] = sd.pop(prefix + "weight")
+
+    model.blocks[0].fc1.register_state_dict_post_hook(rename)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sg.full_state_dict(model)
+        sg.full_state_dict(model)
+    said = [str(w.message) for w in caught if "state_dict hooks" in str(w.message)]
+    assert len(said) == 1 and "'blocks.0.fc1'" in said[0] and "key_map=" in said[0]
+
+
 def test_compiled_plain_module_has_clean_keys() -> None:
     torch.manual_seed(0)
     model = TinyLM()

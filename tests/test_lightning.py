@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any
 
 import pytest
@@ -424,3 +425,146 @@ def test_trainer_saves_in_the_background_every_n_steps(tmp_path) -> None:  # typ
     assert not problems, "\n".join(problems)
     assert sorted(os.listdir(tmp_path)) == ["2", "4", "by-strategy", "crashed"]
     assert all(len(r["blocked"]) == 2 for r in results)
+
+
+# ------------------------------------------------------- tensor parallel (issue 26)
+
+
+def _tp_fully_shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """The README's recipe: the user's TP plan on "tensor_parallel", FSDP2 on "data_parallel"."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from .builders import tp_plan
+
+    parallelize_module(model, mesh["tensor_parallel"], tp_plan(model))
+    return _fully_shard(model, mesh["data_parallel"])
+
+
+def _tp_steps(fabric, model, opt, rank: int, start: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    for s in range(start, start + n):  # the ranks of one TP group see the same batch
+        opt.zero_grad()
+        fabric.backward(model(batch(rank // 2, s)).float().pow(2).mean())
+        opt.step()
+
+
+def fabric_tp_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[type-arg]
+    """dp 2 x tp 2 through shardgather's Fabric strategy: 2 steps, fabric.save, 2 more
+    (the uninterrupted run); a model of another seed fabric.load's and does the same 2."""
+    import lightning as L
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from shardgather.integrations.lightning import FabricModelParallelStrategy
+
+    _lightning_env(rank, world)
+    strategy = FabricModelParallelStrategy(
+        parallelize_fn=_tp_fully_shard, data_parallel_size=2, tensor_parallel_size=2
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+
+    def setup(seed: int):  # type: ignore[no-untyped-def]
+        torch.manual_seed(seed)
+        model = fabric.setup_module(TinyLM(tied=False, hidden=36))
+        return model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    model, opt = setup(0)
+    placements = {str(p.placements) for p in model.parameters()}
+    _tp_steps(fabric, model, opt, rank, 0, 2)
+    ckpt = os.path.join(root, "ckpt")
+    fabric.save(ckpt, {"model": model, "optimizer": opt, "step": 2})
+    with warnings.catch_warnings():  # FSDP2's own state_dict hooks are not "foreign"
+        warnings.filterwarnings("error", message=".*state_dict hooks")
+        saved = sg.full_state_dict(model)
+    ref = get_model_state_dict(  # on the CPU its plain buffers are the live ones: copy
+        model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    ref = {k: v.clone() for k, v in ref.items()}
+    _tp_steps(fabric, model, opt, rank, 2, 2)
+    want = sg.full_state_dict(model)
+
+    model, opt = setup(1)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(ckpt, state)
+    loaded = sg.full_state_dict(model)
+    _tp_steps(fabric, model, opt, rank, 2, 2)
+    got = sg.full_state_dict(model)
+    problems: list[str] = []
+    if rank == 0:
+        problems += ["vs torch: " + p for p in diff_state_dicts(saved, ref)]
+        problems += ["loaded: " + p for p in diff_state_dicts(loaded, saved)]
+        problems += ["resumed: " + p for p in diff_state_dicts(got, want)]
+        if state["step"] != 2:
+            problems.append(f"step {state['step']}")
+    return {"problems": problems, "saved": saved, "placements": sorted(placements)}
+
+
+def test_fabric_tensor_parallel_saves_consolidated_and_resumes_bit_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    res = dist_harness.run("tests.test_lightning:fabric_tp_worker", 4, root=str(tmp_path))
+    problems = [p for r in res for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in res[0]["placements"]
+    plain = TinyLM(tied=False, hidden=36)  # the plain network loads the export strictly
+    plain.load_state_dict(sg.load_file(str(tmp_path / "ckpt" / "model.safetensors")), strict=True)
+    assert not diff_state_dicts(plain.state_dict(), res[0]["saved"])
+
+
+def _lit_tp_module():  # type: ignore[no-untyped-def]
+    import lightning as L
+
+    class LitTP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lm = TinyLM(tied=False, hidden=36)
+
+        def configure_model(self) -> None:
+            _tp_fully_shard(self.lm, self.device_mesh)
+
+        def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
+            return self.lm(tokens).float().pow(2).mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            data = batch(0, 0)[:1].repeat(8, 1)
+            return torch.utils.data.DataLoader(data, batch_size=2, shuffle=False)
+
+    return LitTP()
+
+
+def trainer_tp_worker(rank: int, world: int, ckpt: str) -> dict:  # type: ignore[type-arg]
+    """The Trainer at dp 2 x tp 2: uninterrupted 4 steps; 2 + save; resume to 4."""
+    from shardgather.integrations.lightning import ModelParallelStrategy
+
+    _lightning_env(rank, world)
+
+    def trainer(steps: int):  # type: ignore[no-untyped-def]
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        return _trainer(world, steps, strategy=strategy)
+
+    whole = trainer(4)
+    whole.fit(_lit_tp_module())
+    want = sg.full_state_dict(whole.strategy.model)
+    first = trainer(2)
+    first.fit(_lit_tp_module())
+    first.save_checkpoint(ckpt)
+    saved = sg.full_state_dict(first.strategy.model)
+    second = trainer(4)
+    second.fit(_lit_tp_module(), ckpt_path=ckpt)
+    got = sg.full_state_dict(second.strategy.model)
+    problems = ["resumed: " + p for p in diff_state_dicts(got, want)] if rank == 0 else []
+    return {"problems": problems, "saved": saved}
+
+
+def test_trainer_tensor_parallel_saves_consolidated_and_resumes_bit_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ckpt = str(tmp_path / "last.ckpt")
+    res = dist_harness.run("tests.test_lightning:trainer_tp_worker", 4, ckpt=ckpt)
+    problems = [p for r in res for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    plain = TinyLM(tied=False, hidden=36)
+    sd = sg.load_file(os.path.join(ckpt, "model.safetensors"))
+    plain.load_state_dict({k.removeprefix("lm."): v for k, v in sd.items()}, strict=True)
+    assert not diff_state_dicts(
+        {f"lm.{k}": v for k, v in plain.state_dict().items()}, res[0]["saved"]
+    )

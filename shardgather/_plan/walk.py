@@ -91,7 +91,7 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
 
     hooked: list[str] = []
     for prefix, mod in _walk(model, ""):
-        if mod._state_dict_hooks or mod._state_dict_pre_hooks:
+        if _foreign_hooks(mod):
             hooked.append(prefix.rstrip(".") or "<root>")
         names = [
             n for n, p in mod._parameters.items() if p is not None and not fsdp1.is_flat_param(p)
@@ -148,6 +148,15 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
 
 
 _WARNED_HOOKS: set[tuple[str, ...]] = set()
+
+
+def _foreign_hooks(mod: nn.Module) -> bool:
+    """State-dict hooks not torch.distributed's own (FSDP2 adds a resharding pre-hook to
+    every module it wraps; it changes no name or value)."""
+    hooks = [*mod._state_dict_hooks.values(), *mod._state_dict_pre_hooks.values()]
+    return any(
+        not (getattr(h, "__module__", None) or "").startswith("torch.distributed.") for h in hooks
+    )
 
 
 def _warn_state_dict_hooks(prefixes: list[str]) -> None:
