@@ -38,8 +38,13 @@ def _cpu_torchtitan() -> None:
 
 def _config(fuse_qkv: bool = False):  # type: ignore[no-untyped-def]
     from torchtitan.models import llama3 as L3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common import compute_ffn_hidden_dim
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     cfg = L3.Llama3Model.Config(
@@ -77,7 +82,8 @@ def _build(world: int, seed: int, fuse_qkv: bool = False):  # type: ignore[no-un
 
     cfg = _config(fuse_qkv)
     par = ParallelismConfig(
-        tensor_parallel_degree=2, data_parallel_shard_degree=world // 2,
+        tensor_parallel_degree=2,
+        data_parallel_shard_degree=world // 2,
         spmd_backend="partial_dtensor",
     )
     dims = ParallelDims.from_config(par, world)
@@ -85,8 +91,13 @@ def _build(world: int, seed: int, fuse_qkv: bool = False):  # type: ignore[no-un
     with torch.device("meta"):
         model = cfg.build()
     model = L3.parallelize_llama(
-        model, parallel_dims=dims, training=TrainingConfig(), parallelism=par,
-        compile_config=CompileConfig(), ac_config=None, dump_folder="/tmp",
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(),
+        parallelism=par,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="/tmp",
     )
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
@@ -99,8 +110,11 @@ def _hf_config(cfg):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
         intermediate_size=cfg.layers[0].feed_forward.w1.out_features,
         tie_word_embeddings=False,
     )
@@ -144,9 +158,7 @@ def _export_and_reload(rank: int, world: int, tmp: str) -> dict:
         hf = LlamaForCausalLM(_hf_config(cfg))
         res = hf.load_state_dict(hf_sd, strict=True)
         out["hf_missing"] = list(res.missing_keys) + list(res.unexpected_keys)
-        out["hf_diff"] = [
-            k for k, v in hf.state_dict().items() if not torch.equal(v, hf_sd[k])
-        ]
+        out["hf_diff"] = [k for k, v in hf.state_dict().items() if not torch.equal(v, hf_sd[k])]
         # the file shardgather wrote is the same dict, byte for byte
         from safetensors.torch import load_file
 
