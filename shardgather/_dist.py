@@ -187,6 +187,7 @@ class Call:
         self.id = _CALLS.take() if self.distributed else 0
         self.rounds = 0
         self.failure: BaseException | None = None
+        self.consequence = False  # self.failure only followed another rank's
         self.uses_data_group = False
         self.poisoned = False
         self.marked_broken = False
@@ -201,28 +202,36 @@ class Call:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if exc is None:
             return False
+        self.latch(exc)
+        if self.uses_data_group:  # release the peers still blocked on a message from us
+            _poison_data_group(self)
+        if is_agreed(exc):
+            return False
+        if self.consequence:
+            self.raise_failures(own=False)
+        return self._reraise(exc)
+
+    def latch(self, exc: BaseException) -> None:
+        """Post ``exc`` to the latch unless every rank knows already. Call it before
+        cleaning up after a failure (removing temporaries): a peer that trips over
+        what the cleanup removed must find this rank's error first, not report its own
+        FileNotFoundError as the cause. Idempotent; ``__exit__`` calls it too."""
         if is_agreed(exc) or self.failure is not None:
-            # Known to every rank already (or posted when this rank failed): only
-            # release the peers still blocked on a message from this rank.
-            if self.uses_data_group:
-                _poison_data_group(self)
-            return False if is_agreed(exc) else self._reraise(exc)
+            return
         if self.distributed and isinstance(exc, Exception):
             # Another rank failed first: what broke here (a message to it refused, the
-            # data group closed under us) is its consequence. Raise the agreed error.
+            # data group closed under us, its temporaries gone) is its consequence.
             try:
                 earlier = self._failures()
             except Exception:  # the store is gone too: report our own
                 earlier = []
             if earlier:
                 self.failure = exc
-                if self.uses_data_group:
-                    _poison_data_group(self)
-                self.raise_failures(own=False)
+                self.consequence = True
+                return
         # Post first, then close the data group: a peer released by the closing must
         # find this rank's error in the latch, not guess at a dead rank.
         self.fail(exc)
-        return self._reraise(exc)
 
     def _reraise(self, exc: BaseException) -> bool:
         """The error this rank raises for its own failure (``__exit__``'s result)."""

@@ -148,7 +148,8 @@ def save_checkpoint(
                         snapshot.buffer_for(model, "optim", keep, reuse_staging),
                     )
                 )
-        except BaseException:
+        except BaseException as exc:
+            call.latch(exc)  # before the cleanup: a peer must find our error, not its effect
             remove()
             raise
     writes = [

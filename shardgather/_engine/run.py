@@ -54,7 +54,8 @@ def gather(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Any:
         way = route(call, plan, sink, opts)
         move(call, plan, sink, opts, way)
         return finish(call, sink)
-    except BaseException:
+    except BaseException as exc:
+        call.latch(exc)  # before the cleanup: a peer must find our error, not its effect
         sink.abort(call)
         raise
 

@@ -240,7 +240,8 @@ def gather_later(
         mine = pieces_of(plan, way.participating(plan)) if way.writes_pieces else []
         snap.take(whole, mine, sink.target, buffer, opts.snapshot_cap, sink.direct_fd)
         return Later(call, sink, snap, opts.write_rate)
-    except BaseException:
+    except BaseException as exc:
+        call.latch(exc)  # before the cleanup: a peer must find our error, not its effect
         sink.abort(call)
         raise
 
