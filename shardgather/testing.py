@@ -58,3 +58,25 @@ def build_gpt(size_gb: float, device: torch.device | str = "cpu", width: int | N
             p.normal_(0, 0.02, generator=g)
     model.lm_head.weight = model.embed.weight
     return model
+
+
+def parallelize_gpt(model: GPT, mesh: torch.distributed.device_mesh.DeviceMesh) -> GPT:
+    """Lay ``model`` out 2-D on ``mesh`` (dims ``("dp", "tp")``), as Megatron-style tensor
+    parallelism under FSDP2 does: ``qkv``/``fc1`` column-wise and ``proj``/``fc2`` row-wise
+    over ``tp``, then FSDP2 over ``dp`` (each block, then the root). The tied embedding
+    stays whole across ``tp`` (sharded over ``dp`` only). For benchmarks and memory tests:
+    the forward is not a tensor-parallel one."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel()}
+    plan |= {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], plan)
+        fully_shard(b, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
