@@ -24,6 +24,7 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+from ._dist import set_arrival_timeout
 from ._engine.snapshot import AsyncSave
 from ._options import Transport
 from .api import (
@@ -62,4 +63,5 @@ __all__ = [
     "release_staging",
     "save_checkpoint",
     "save_full_state_dict",
+    "set_arrival_timeout",
 ]

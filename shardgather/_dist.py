@@ -63,6 +63,45 @@ STATS = {
 }
 
 _PREFIX = "shardgather/"
+
+
+def _arrival_default() -> datetime.timedelta:
+    raw = os.environ.get("SHARDGATHER_ARRIVAL_TIMEOUT_S", "60")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ShardGatherError(
+            f"SHARDGATHER_ARRIVAL_TIMEOUT_S must be a number of seconds, got {raw!r}"
+        ) from None
+    return datetime.timedelta(seconds=seconds if seconds > 0 else 60)
+
+
+# How long the first round of a call waits for ranks that are in no shardgather call,
+# or in another one, before it says so: a mistake (one rank calling, ranks calling
+# different verbs) is reported within this bound instead of after the data timeout.
+# Ranks already inside the same call are waited for up to the call's timeout.
+_ARRIVAL = {"timeout": _arrival_default()}
+
+
+def set_arrival_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    """How long a collective call waits for ranks that have not entered it (default 60 s,
+    or ``SHARDGATHER_ARRIVAL_TIMEOUT_S``); returns the previous bound. Raise it when one
+    rank legitimately reaches its shardgather call much later than the others (e.g. rank
+    0 alone runs a long evaluation first). Ranks already in the same call are waited for
+    up to the call's own ``timeout``."""
+    if not isinstance(timeout, datetime.timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ShardGatherError(
+                f"set_arrival_timeout takes seconds or a datetime.timedelta, got {timeout!r}"
+            )
+        timeout = datetime.timedelta(seconds=timeout)
+    if timeout.total_seconds() <= 0:
+        raise ShardGatherError(f"the arrival timeout must be positive, got {timeout}")
+    previous = _ARRIVAL["timeout"]
+    _ARRIVAL["timeout"] = timeout
+    return previous
+
+
 _POISON_TAG = 2**31 - 7  # no message of ours ever uses it
 
 
@@ -197,9 +236,16 @@ class Call:
     # ----------------------------------------------------------------- the latch
 
     def __enter__(self) -> Call:
+        # Where this rank is, for a peer that waits for it in vain (see _missing_ranks).
+        if self.distributed:
+            with contextlib.suppress(Exception):
+                self.store.set(_where_key(self.rank), f"{self.id}:{self.what}")
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if self.distributed:
+            with contextlib.suppress(Exception):
+                self.store.set(_where_key(self.rank), "")
         if exc is None:
             return False
         self.latch(exc)
@@ -336,6 +382,8 @@ class Call:
                             "sharded model (and optimizer)."
                         )
                     )
+            if self.rounds == 1 and self.failure is None:
+                self._same_verb()
             self._set(k + f"at/{self.rank}", pickle.dumps(payload))
             if self.rank == 0:  # counters every rank touched: rank 0 removes them later
                 _KEYS.extend(self._key(k + s) for s in ("n", "same", "all"))
@@ -359,7 +407,7 @@ class Call:
             ) from exc
         if missing or self.failure is not None or self.store.add(self._key("nfailed"), 0) > 0:
             if missing:
-                self.fail(CollectiveError(f"gave up waiting for the others at {name!r}"))
+                self.fail(CollectiveError(self._missing_message(name, missing)))
             self.raise_failures(missing)
         if count is not None:
             self.count = self.store.add(self._key(k + "count"), 0)
@@ -384,13 +432,82 @@ class Call:
         delay): a failing rank sets this key itself after posting its error (see
         :meth:`fail`), so waiters wake at once and find the latch set."""
         done = self._key(k + "all")
+        first = min(self.timeout, _ARRIVAL["timeout"]) if self.rounds == 1 else self.timeout
         try:
-            self.store.wait([done], self.timeout)
+            self.store.wait([done], first)
             return []
         except Exception:
             if self.store.check([done]):  # raised only now (and the store answers)
                 return []
+        missing = self._absent(k)
+        if first < self.timeout and missing and all(self._in_this_call(r) for r in missing):
+            # They are in this very call (building their plan...): a slow rank, not a
+            # mistake. Wait for them up to the call's own timeout.
+            try:
+                self.store.wait([done], self.timeout - first)
+                return []
+            except Exception:
+                if self.store.check([done]):
+                    return []
+            missing = self._absent(k)
+        return missing
+
+    def _absent(self, k: str) -> list[int]:
         return [r for r in range(self.world) if not self.store.check([self._key(k + f"at/{r}")])]
+
+    def _where(self, r: int) -> str:
+        """Which shardgather call rank ``r`` is in ("<id>:<verb>"; "": none)."""
+        try:
+            key = _where_key(r)
+            return self.store.get(key).decode() if self.store.check([key]) else ""
+        except Exception:
+            return ""
+
+    def _in_this_call(self, r: int) -> bool:
+        return self._where(r) == f"{self.id}:{self.what}"
+
+    def _missing_message(self, name: str, missing: list[int]) -> str:
+        where = []
+        for r in missing:
+            at = self._where(r)
+            verb = at.split(":", 1)[1] if at else ""
+            if not at:
+                where.append(f"rank {r} is not in any shardgather call")
+            elif at == f"{self.id}:{self.what}":
+                where.append(f"rank {r} is in {verb} but did not reach {name!r}")
+            else:
+                n = at.split(":", 1)[0]
+                where.append(
+                    f"rank {r} is in another shardgather call ({verb}, its call #{n}; "
+                    f"this is call #{self.id})"
+                )
+        waited = min(self.timeout, _ARRIVAL["timeout"]) if self.rounds == 1 else self.timeout
+        call_text = self.what if "." in self.what else f"sg.{self.what}"
+        return (
+            f"gave up waiting for the others at {name!r} after {waited}: "
+            + "; ".join(where)
+            + f". Rank {self.rank} is in {self.what}: every rank of the process group must "
+            "make the same shardgather calls in the same order (they are collective: not "
+            f"`if rank == 0: {call_text}(...)` — every rank calls it, and "
+            "rank 0 writes or receives). A rank that legitimately arrives later: "
+            "sg.set_arrival_timeout(seconds)."
+        )
+
+    def _same_verb(self) -> None:
+        """The ranks are in the same verb: a mismatch (one rank saving, another loading,
+        or one call missing on some rank) is named here, before any payload is read."""
+        mine = self.what.encode()
+        first = self.store.compare_set(self._key("verb"), "", mine)
+        if self.rank == 0:
+            _KEYS.append(self._key("verb"))
+        if first != mine:
+            self.fail(
+                CollectiveError(
+                    f"ranks are in different shardgather calls: {first.decode()} on another "
+                    f"rank, {self.what} on rank {self.rank}. Every rank of the process group "
+                    "must make the same shardgather calls in the same order."
+                )
+            )
 
     # ----------------------------------------------------------------- data waits
 
@@ -417,6 +534,10 @@ class Call:
                 )
             )
         self.raise_failures()
+
+
+def _where_key(r: int) -> str:
+    return f"{_PREFIX}where/{r}"
 
 
 def _forget_earlier_calls(call: Call) -> None:

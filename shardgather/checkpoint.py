@@ -21,6 +21,7 @@ import datetime
 import io
 import os
 import pickle
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -258,10 +259,15 @@ def _torch_load(path: str, trust_pickle: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust_pickle)
     except pickle.UnpicklingError as exc:
+        # torch's message is a terminal page (ANSI bold, tabs, two numbered options):
+        # keep only what it names, in one plain sentence.
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f" (e.g. {found.group(1)})" if found else ""
         raise CheckpointError(
-            f"{path} holds objects that only full unpickling can rebuild, which could run "
-            "code from the file. If you trust this checkpoint, pass trust_pickle=True. "
-            f"({str(exc).splitlines()[0]})"
+            f"{path} holds Python objects outside torch's safe types{what}; rebuilding "
+            "them means unpickling, which can run code from the file. If you trust this "
+            "checkpoint, pass trust_pickle=True, or allowlist the class with "
+            "torch.serialization.add_safe_globals."
         ) from None
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None

@@ -281,3 +281,52 @@ def test_repeated_calls_on_one_host_take_at_most_three_rounds_and_no_collective(
         assert r["full_state_dict"][1]["rounds"] == 2, r
         assert r["Gatherer.full_state_dict"][1]["rounds"] == 2, r
         assert r["save_full_state_dict"][1]["rounds"] == 3, r
+
+
+def wrong_calls_worker(rank: int, world: int, path: str) -> dict:  # type: ignore[type-arg]
+    """The two commonest collective mistakes: one rank calls a verb (``if rank == 0:
+    sg.save...``) and the ranks call different verbs."""
+    model, _ = build("fsdp2", world, seed=0)
+    long = datetime.timedelta(seconds=120)  # the data timeout: the mistake must not wait for it
+    previous = sg.set_arrival_timeout(2)
+    out: dict = {"default": previous.total_seconds()}
+    # 1. Only rank 0 saves; rank 1 is busy elsewhere (not in any shardgather call).
+    if rank == 0:
+        out["one_rank"] = _timed(lambda: sg.save_full_state_dict(model, path, timeout=long))
+    else:
+        time.sleep(6)
+        # It then makes the same call late: the call failed already, it learns so at once.
+        out["late"] = _timed(lambda: sg.save_full_state_dict(model, path, timeout=long))
+    # 2. Rank 0 saves, rank 1 loads.
+    if rank == 0:
+        out["different"] = _timed(lambda: sg.save_full_state_dict(model, path, timeout=long))
+    else:
+        out["different"] = _timed(lambda: sg.load_full_state_dict(model, path, timeout=long))
+    sg.set_arrival_timeout(previous)
+    # 3. Then the same calls on every rank work.
+    sg.save_full_state_dict(model, path)
+    sg.load_full_state_dict(model, path)
+    out["leftovers"] = sorted(os.listdir(os.path.dirname(path)))
+    return out
+
+
+def test_one_rank_calling_or_ranks_in_different_verbs_are_named_within_the_arrival_bound(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "m.safetensors")
+    r0, r1 = dist_harness.run("tests.test_failures:wrong_calls_worker", 2, timeout=240, path=path)
+    assert r0["default"] == 60.0
+    cls, msg, spent = r0["one_rank"]
+    assert cls == "CollectiveError", r0
+    assert "rank 1 is not in any shardgather call" in msg, msg
+    assert "every rank of the process group must make the same shardgather calls" in msg, msg
+    assert "if rank == 0: sg.save_full_state_dict(...)" in msg and "set_arrival_timeout" in msg
+    assert spent < 60, spent  # the arrival bound (2 s), not the call's 120 s
+    assert r1["late"][0] == "CollectiveError" and "rank 0" in r1["late"][1], r1
+    for r in (r0, r1):
+        cls, msg, spent = r["different"]
+        assert cls == "CollectiveError", r
+        assert "different shardgather calls" in msg, msg
+        assert "save_full_state_dict" in msg and "load_full_state_dict" in msg, msg
+        assert spent < 60, spent
+    assert r0["leftovers"] == ["m.safetensors"], r0

@@ -576,3 +576,49 @@ def test_remote_rank_failing_raises_everywhere_and_leaves_nothing(op: str, tmp_p
     # Rank 0 removes its temp file before it raises; the other ranks may look earlier.
     assert results[0]["files"] == [], results[0]
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "rename, fix",
+    [
+        (lambda k: "_fsdp_wrapped_module." + k, "key_map=sg.clean_fqn"),
+        (lambda k: "module." + k, "key_map=sg.clean_fqn"),
+        (lambda k: "model." + k, "key_map={'model.': ''}"),
+    ],
+    ids=["fsdp1-wrapped", "ddp", "hf-prefix"],
+)
+def test_a_key_mismatch_that_a_key_map_repairs_names_that_key_map(rename, fix, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The error gives the working fix, and the fix works."""
+    model = TinyLM(tied=False)
+    path = str(tmp_path / "m.safetensors")
+    sg.save_full_state_dict(model, path, key_map={"": rename("")})
+    with pytest.raises(sg.StateDictMismatchError) as e:
+        sg.load_full_state_dict(model, path)
+    assert fix in str(e.value), str(e.value)
+    key_map = sg.clean_fqn if "clean_fqn" in fix else {"model.": ""}
+    target = copy.deepcopy(model).apply(_zero)
+    sg.load_full_state_dict(target, path, key_map=key_map)
+    assert not diff_state_dicts(target.state_dict(), model.state_dict())
+
+
+def _zero(m: nn.Module) -> None:
+    with torch.no_grad():
+        for p in m.parameters(recurse=False):
+            p.zero_()
+
+
+def test_a_model_prefix_mismatch_names_the_reverse_key_map(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TinyLM(tied=False)
+
+    path = str(tmp_path / "m.safetensors")
+    inner = TinyLM(tied=False)
+    sg.save_full_state_dict(inner, path)
+    outer = Wrapped().apply(_zero)
+    with pytest.raises(sg.StateDictMismatchError) as e:
+        sg.load_full_state_dict(outer, path)
+    assert "key_map={'': 'model.'}" in str(e.value), str(e.value)
+    sg.load_full_state_dict(outer, path, key_map={"": "model."})
+    assert not diff_state_dicts(outer.model.state_dict(), inner.state_dict())

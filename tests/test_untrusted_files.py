@@ -231,8 +231,11 @@ def test_extra_is_not_unpickled_unless_trusted(tmp_path) -> None:  # type: ignor
     marker = tmp_path / "code-ran"
     torch.save({"step": _Boom(str(marker))}, ckpt / "extra.pt")
     model, opt, before, opt_before = _fresh()
-    with pytest.raises(sg.CheckpointError, match="trust_pickle=True"):
+    with pytest.raises(sg.CheckpointError, match="trust_pickle=True") as e:
         sg.load_checkpoint(ckpt, model, opt)
+    # One plain sentence naming the class: no terminal escapes, nothing cut mid-way
+    assert "\x1b" not in str(e.value) and "\t" not in str(e.value), repr(str(e.value))
+    assert "(e.g. " in str(e.value) and str(e.value).endswith("add_safe_globals."), str(e.value)
     assert not marker.exists()
     assert not diff_state_dicts(model.state_dict(), before)  # validated before loading
     assert opt.state_dict() == opt_before

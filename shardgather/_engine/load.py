@@ -31,6 +31,7 @@ import torch
 from .. import _dist, _ops
 from .. import _layout as L
 from .._dist import Call, data_group
+from .._fqn import clean_fqn, has_wrapper_components
 from .._options import Options, Transport
 from .._plan import Block, Entry, GatherPlan, flat_of, own_blocks, row_blocks
 from ..errors import ShardGatherError, StateDictMismatchError
@@ -200,13 +201,47 @@ def validate(
                 "mismatched " + "; ".join(f"{named(k)}: {v}" for k, v in mismatched.items())
             )
         raise StateDictMismatchError(
-            f"{what} does not match the model: " + ", ".join(parts) + ". Nothing was loaded. "
-            "Pass strict=False to load only the matching keys.",
+            f"{what} does not match the model: "
+            + ", ".join(parts)
+            + ". Nothing was loaded. "
+            + (_fix_for(missing, unexpected) if not mismatched else "")
+            + "Pass strict=False to load only the matching keys.",
             missing,
             unexpected,
             mismatched,
         )
     return LoadResult(missing, unexpected)
+
+
+def _fix_for(missing: list[str], unexpected: list[str]) -> str:
+    """The working fix when the names differ only in a way a key_map repairs: wrapper
+    components (FSDP1's ``_fsdp_wrapped_module.``, DDP's ``module.``, ``_orig_mod.``) or
+    one prefix on either side. "" when no such rule explains every missing key."""
+    if not missing or not unexpected:
+        return ""
+    want = set(missing)
+    if want <= {clean_fqn(u) for u in unexpected} and any(
+        has_wrapper_components(u) for u in unexpected
+    ):
+        return (
+            "The source's names carry wrapper components (e.g. "
+            f"{next(u for u in unexpected if has_wrapper_components(u))!r}): load with "
+            "key_map=sg.clean_fqn, or repair the file once with `python -m shardgather "
+            "clean-keys SRC OUT`. "
+        )
+    m = missing[0]
+    have = set(unexpected)
+    for u in unexpected:  # the source has an extra prefix: {"prefix.": ""}
+        if u.endswith(m) and len(u) > len(m):
+            prefix = u[: len(u) - len(m)]
+            if all(prefix + k in have for k in missing):
+                return f"The source's names carry the prefix {prefix!r}: load with key_map={{{prefix!r}: ''}}. "
+    for u in unexpected:  # the model has an extra prefix: {"": "prefix."}
+        if m.endswith(u) and len(m) > len(u):
+            prefix = m[: len(m) - len(u)]
+            if all(k.startswith(prefix) and k[len(prefix) :] in have for k in missing):
+                return f"The model's names carry the prefix {prefix!r}: load with key_map={{'': {prefix!r}}}. "
+    return ""
 
 
 # ------------------------------------------------------------------------ the sink
