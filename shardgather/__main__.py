@@ -109,7 +109,11 @@ def cmd_inspect(path: str) -> int:
 
 def _atomic_target(out: str) -> tuple[int, str]:
     directory = os.path.dirname(os.path.abspath(out)) or "."
-    return tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=directory)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.fchmod(fd, 0o666 & ~mask)  # as open() would create it, not mkstemp's 0600
+    return fd, tmp
 
 
 def _finish(fd: int, tmp: str, out: str) -> None:
@@ -215,13 +219,13 @@ def cmd_consolidate(
     of at most 64 MiB in memory; same-dtype tensors are copied file to file in the
     kernel (copy_file_range)."""
     from .io.dcp_format import dcp_sources, is_dcp_directory
-    from .io.hf_layout import parse_size
+    from .io.hf_layout import output_layout
 
     if not is_dcp_directory(dcp_dir):
         raise CheckpointError(
             f"{dcp_dir}: not a torch.distributed.checkpoint directory (no .metadata)"
         )
-    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    shard_bytes = output_layout(out, max_shard_size)
     cast = DTYPES[dtype] if dtype else None
     items = []
     for key, t in dcp_sources(dcp_dir).items():
@@ -247,7 +251,9 @@ def cmd_consolidate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="consolidate")
+        # the bytes the bar counts: tensor data (headers are written before it starts)
+        data = sum(t.numel * odt.itemsize for _, t, odt in items)
+        bar = tqdm(total=data, unit="B", unit_scale=True, desc="consolidate")
 
     def fill(fds: list[int], where: dict[str, tuple[int, int]]) -> None:
         srcs: dict[str, int] = {}
@@ -284,8 +290,11 @@ def cmd_consolidate(
     write_alone(fs, fill)
     if bar is not None:
         bar.close()
-    what = f"{len(fs.names)} files" if fs.directory else "1 file"
-    print(f"wrote {out}: {len(items)} tensors, {total / 2**20:.1f} MiB in {what}")
+    if fs.directory:
+        what = f"{len(fs.names)} file{'s' if len(fs.names) > 1 else ''} in directory {fs.final}/"
+    else:
+        what = f"the file {fs.final}"
+    print(f"wrote {len(items)} tensors, {total / 2**20:.1f} MiB: {what}")
     return 0
 
 
@@ -312,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from . import __version__
+
+    ap.add_argument("--version", action="version", version=f"shardgather {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("inspect", help="keys, dtypes, shapes, bytes; warns on wrapped names")
     p.add_argument("file")
@@ -323,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="torch.distributed.checkpoint dir -> one safetensors file or an HF directory",
     )
     p.add_argument("dcp_dir")
-    p.add_argument("out", help="OUT.safetensors, or a directory with --max-shard-size")
+    p.add_argument("out", help="OUT.safetensors, or OUT/ (or an existing directory): the HF layout")
     p.add_argument(
         "--max-shard-size",
         default=None,

@@ -25,7 +25,7 @@ from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
 from .errors import CheckpointError, ShardGatherError
-from .io.hf_layout import KeyMap, extra_files, map_keys, parse_size
+from .io.hf_layout import KeyMap, extra_files, map_keys, output_layout
 from .io.safetensors_format import read_header
 from .io.sources import open_path, renamed_dict
 
@@ -152,8 +152,11 @@ def save_full_state_dict(
 
     Args:
         model: as for :func:`shardgather.full_state_dict`.
-        path: the ``.safetensors`` file to create (replaced if it exists) or, with
-            ``max_shard_size``, the directory.
+        path: the ``.safetensors`` file to create (replaced if it exists), or a
+            directory — a path ending in ``/`` or an existing directory — for the
+            Hugging Face layout (files of at most 5GB, as ``save_pretrained``, unless
+            ``max_shard_size`` says otherwise). A ``.safetensors`` name with
+            ``max_shard_size`` is an error (a directory named like a file).
         dtype: cast floating-point tensors (e.g. ``torch.bfloat16`` to ship a model).
         metadata: extra ``str -> str`` header metadata (in every file).
         max_shard_size: write ``path`` as a Hugging Face directory: files of at most this
@@ -164,7 +167,7 @@ def save_full_state_dict(
             file is ``model.safetensors`` with no index, as transformers does. An
             existing directory keeps its other files (``config.json``, tokenizer...);
             its ``*.safetensors`` and indexes are replaced.
-        files: with ``max_shard_size``, extra files for the directory, by name:
+        files: for a directory, extra files for the directory, by name:
             ``bytes``/``str`` content, a dict (written as JSON, e.g. ``config.to_dict()``)
             or an ``os.PathLike`` to copy. Rank 0's values are written.
         key_map: the names to store under, from the model's: ``{model_prefix:
@@ -228,7 +231,8 @@ def save_full_state_dict(
     snapshot.settle(model, opts.in_flight)
     with Call("save_full_state_dict", timeout) as call:
         plan = build_plan(check_model(model), dtype=dtype)
-        fs = file_set(plan, path, **_file_options(plan, metadata, max_shard_size, files, key_map))
+        options = _file_options(plan, path, metadata, max_shard_size, files, key_map)
+        fs = file_set(plan, path, **options)
         sink = Files(fs, what="save_full_state_dict")
         if blocking:
             run.gather(call, plan, sink, opts)
@@ -241,6 +245,7 @@ def save_full_state_dict(
 
 def _file_options(
     plan: GatherPlan,
+    path: str | os.PathLike,
     metadata: dict[str, str] | None,
     max_shard_size: int | str | None,
     files: Mapping[str, Any] | None,
@@ -250,10 +255,11 @@ def _file_options(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ShardGatherError("metadata must be a dict of str -> str (safetensors' rule)")
-    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    shard_bytes = output_layout(path, max_shard_size)
     if files and shard_bytes is None:
         raise ShardGatherError(
-            "files= are written into a directory: pass max_shard_size= (e.g. '5GB') too"
+            "files= are written into a directory: pass a directory path ('export/') or "
+            "max_shard_size= (e.g. '5GB') too"
         )
     return {
         "metadata": metadata,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -124,3 +125,26 @@ def test_consolidate_to_the_hf_layout_matches_torch_and_loads(tmp_path, model) -
     assert main([*args[:2], str(tmp_path / "again"), "--no-progress"]) == 2
     assert not (tmp_path / "again").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_version_and_what_consolidate_wrote(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from shardgather.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"shardgather {sg.__version__}"
+    import torch.distributed.checkpoint as dcp
+
+    model = TinyLM(tied=False)
+    with pytest.warns(UserWarning):
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    # A trailing "/" is a directory, and the CLI says it wrote one.
+    assert main(["consolidate", str(tmp_path / "dcp"), str(tmp_path / "out") + "/"]) == 0
+    captured = capsys.readouterr()
+    assert f"in directory {tmp_path / 'out'}/" in captured.out, captured.out
+    assert sorted(os.listdir(tmp_path / "out")) == ["model.safetensors"]
+    # The bar counts every byte it promised: it ends at 100 %.
+    assert "100%" in captured.err, captured.err
+    assert not diff_state_dicts(
+        sg.load_file(tmp_path / "out" / "model.safetensors"), model.state_dict(), order=False
+    )

@@ -183,12 +183,14 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path) -> None:
     m = _llama(0)
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"old")
-    with pytest.raises(CheckpointError, match="not a directory"):
+    with pytest.raises(CheckpointError, match="names a file"):
         sg.save_full_state_dict(m, str(f), max_shard_size="1MB")
     assert f.read_bytes() == b"old"
-    with pytest.raises(CheckpointError, match="pass max_shard_size"):
-        sg.save_full_state_dict(m, str(tmp_path))
-    with pytest.raises(ShardGatherError, match="pass max_shard_size"):
+    (tmp_path / "plain").write_bytes(b"old")  # not .safetensors, and not a directory
+    with pytest.raises(CheckpointError, match="not a directory"):
+        sg.save_full_state_dict(m, str(tmp_path / "plain"), max_shard_size="1MB")
+    assert (tmp_path / "plain").read_bytes() == b"old"
+    with pytest.raises(ShardGatherError, match="pass a directory path"):
         sg.save_full_state_dict(m, str(tmp_path / "d"), files={"config.json": "{}"})
     for bad in ("5XB", "GB", 0, -1, 1.5, True):
         with pytest.raises(CheckpointError, match="max_shard_size"):
@@ -200,7 +202,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path) -> None:
         sg.save_full_state_dict(
             m, str(tmp_path / "d"), max_shard_size="1MB", files={"c.json": tmp_path / "none"}
         )
-    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "plain"]
 
 
 def test_sizes_and_split_rule() -> None:
@@ -278,3 +280,39 @@ def test_fsdp1_fsdp2_plain_round_trips_through_the_directory(tmp_path) -> None:
     (tmp_path / "fsdp2" / "config.json").write_text(src.config.to_json_string())
     back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "fsdp2")).eval()
     assert torch.equal(_logits(back), _logits(src))
+
+
+def test_paths_mean_what_they_look_like(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A trailing "/" (or an existing directory) is the HF layout, one model.safetensors
+    inside when it fits; a .safetensors name with max_shard_size is refused; what is
+    published is readable by others as transformers' output is (0755 / 0644 under the
+    usual umask)."""
+    import stat
+
+    from .models import TinyLM
+
+    model = TinyLM(tied=False)
+    old = os.umask(0o022)
+    try:
+        sg.save_full_state_dict(model, str(tmp_path / "out_dir") + "/")
+        out = tmp_path / "out_dir"
+        assert out.is_dir() and sorted(os.listdir(out)) == ["model.safetensors"]
+        assert stat.S_IMODE(out.stat().st_mode) == 0o755
+        assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+        (tmp_path / "existing").mkdir()
+        (tmp_path / "existing" / "config.json").write_text("{}")
+        sg.save_full_state_dict(model, tmp_path / "existing", max_shard_size=2000)
+        names = sorted(os.listdir(tmp_path / "existing"))
+        assert "config.json" in names and "model.safetensors.index.json" in names, names
+        sg.save_full_state_dict(model, tmp_path / "one.safetensors")
+        assert stat.S_IMODE((tmp_path / "one.safetensors").stat().st_mode) == 0o644
+        with pytest.raises(sg.CheckpointError, match=r"names a file.*'.*m/'"):
+            sg.save_full_state_dict(model, tmp_path / "m.safetensors", max_shard_size="1GB")
+        assert not (tmp_path / "m.safetensors").exists()
+        want = model.state_dict()
+        for p in (out, tmp_path / "existing", tmp_path / "one.safetensors"):
+            other = TinyLM(tied=False)
+            sg.load_full_state_dict(other, p)
+            assert all(torch.equal(other.state_dict()[k], v) for k, v in want.items())
+    finally:
+        os.umask(old)

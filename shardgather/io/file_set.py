@@ -184,6 +184,7 @@ def create(fs: FileSet) -> tuple[str, list[str], list[int]]:
         if os.path.lexists(fs.final) and not os.path.isdir(fs.final):
             raise OSError(f"{fs.final!r} exists and is not a directory")
         tmp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would publish a private export
         paths = [os.path.join(tmp, n) for n in fs.names]
     else:
         if os.path.isdir(fs.final):
@@ -192,6 +193,7 @@ def create(fs: FileSet) -> tuple[str, list[str], list[int]]:
                 "directory layout there, or a file path"
             )
         fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=parent)
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it, not mkstemp's 0600
         os.close(fd)
         paths = [tmp]
     fds: list[int] = []
@@ -211,6 +213,13 @@ def create(fs: FileSet) -> tuple[str, list[str], list[int]]:
         remove(tmp)
         raise
     return tmp, paths, fds
+
+
+def _umask() -> int:
+    """The process umask (reading it means setting it: restored at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def remove(tmp: str | None) -> None:

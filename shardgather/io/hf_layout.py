@@ -171,6 +171,30 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model" + INDEX_SUFFIX
 
 
+# save_pretrained's default max_shard_size: what a directory path gets when none is given
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+def output_layout(path: str | os.PathLike, max_shard_size: int | str | None) -> int | None:
+    """Bytes per file of the Hugging Face layout at ``path``, or None for one file.
+    Paths mean what they look like: a trailing ``/`` or an existing directory is the HF
+    layout (one ``model.safetensors`` inside when it fits ``DEFAULT_SHARD_SIZE``); a
+    ``.safetensors`` name is one file, and asking it to be split is an error (it would
+    make a directory named like a file)."""
+    p = os.fspath(path)
+    directory = p.endswith(("/", os.sep)) or os.path.isdir(p)
+    if max_shard_size is None:
+        return parse_size(DEFAULT_SHARD_SIZE) if directory else None
+    if p.endswith(".safetensors") and not directory:
+        stem = p[: -len(".safetensors")] or "model"
+        raise CheckpointError(
+            f"{p!r} names a file, but max_shard_size= writes a directory of files (the "
+            f"Hugging Face layout): pass a directory path such as {stem + '/'!r}, or drop "
+            "max_shard_size to write the one file"
+        )
+    return parse_size(max_shard_size)
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from ``5_000_000_000``, ``"5GB"`` (10**9, as transformers reads it) or
     ``"4.5GiB"`` (2**30)."""
