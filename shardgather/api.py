@@ -240,7 +240,8 @@ def save_full_state_dict(
         keep: list[Any] = []
         buffer = snapshot.buffer_for(model, "model", keep, reuse_staging)
         later = snapshot.gather_later(call, plan, sink, opts, buffer)
-    return snapshot.start(model, AsyncSave(call, [later], owner=id(model), keep=keep))
+    save = AsyncSave(call, [later], owner=id(model), keep=keep, path=path)
+    return snapshot.start(model, save)
 
 
 def _file_options(

@@ -165,6 +165,7 @@ def save_checkpoint(
         abort=remove,
         owner=id(model),
         keep=keep,
+        path=final,
     )
     return snapshot.start(model, handle)
 

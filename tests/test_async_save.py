@@ -262,3 +262,58 @@ def test_a_wait_that_times_out_leaves_the_writer_its_files(tmp_path) -> None:  #
     want = {k: v.clone() for k, v in model.state_dict().items()}
     sg.save_full_state_dict(model, tmp_path / "a.safetensors", blocking=False).wait()
     assert not diff_state_dicts(sg.load_file(tmp_path / "a.safetensors"), want, order=False)
+
+
+# --------------------------------------------- handles that cannot be forgotten (issue 27)
+
+_FORGET = """
+import sys, torch, shardgather as sg
+from tests.models import TinyLM, make_optimizer
+model = TinyLM(tied=False, d=64)
+opt = make_optimizer(model)
+h = sg.save_checkpoint(sys.argv[1], model, opt, blocking=False)
+print(repr(h))
+"""
+
+
+def test_a_save_never_waited_for_warns_at_exit_and_leaves_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, "-c", _FORGET, str(out / "ckpt")],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert f"-> {out / 'ckpt'}:" in r.stdout and "MiB snapshot" in r.stdout, r.stdout
+    assert "was never waited for (the interpreter is exiting)" in r.stderr, r.stderr
+    assert "nothing was published" in r.stderr
+    assert os.listdir(out) == []  # no hidden temporary directory left behind
+
+
+def test_a_handle_shows_its_path_and_state_and_waits_as_a_context_manager(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = TinyLM(tied=False)
+    path = tmp_path / "m.safetensors"
+    with sg.save_full_state_dict(model, path, blocking=False) as handle:
+        text = repr(handle)
+        assert str(path) in text and ("writing" in text or "not yet waited for" in text), text
+    assert "published" in repr(handle), repr(handle)
+    assert not diff_state_dicts(sg.load_file(path), model.state_dict(), order=False)
+
+
+def test_a_forgotten_handle_warns_when_collected_and_removes_its_temporaries(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import gc
+
+    model = TinyLM(tied=False)
+    handle = sg.save_checkpoint(tmp_path / "ckpt", model, make_optimizer(model), blocking=False)
+    handle._thread.join()
+    with pytest.warns(RuntimeWarning, match="never waited for .it was garbage-collected"):
+        del handle, model
+        gc.collect()
+    assert os.listdir(tmp_path) == []

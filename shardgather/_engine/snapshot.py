@@ -13,9 +13,13 @@ The done round, the publication (rename) and its round run when the caller asks
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -252,7 +256,10 @@ class AsyncSave:
     at call time; a thread of its own writes and fsyncs them.
 
     Call :meth:`wait` on every rank (it agrees that every rank's writes succeeded and
-    publishes the output atomically), or let the next save of the same model do it.
+    publishes the output atomically), use it as a context manager (``with
+    sg.save_checkpoint(..., blocking=False): ...`` waits at the end of the block), or let
+    the next save of the same model do it. A save never waited for is not published:
+    at interpreter exit or garbage collection it warns and removes its temporaries.
     """
 
     def __init__(
@@ -265,8 +272,10 @@ class AsyncSave:
         abort: Callable[[], None] | None = None,
         owner: int = 0,
         keep: list[tuple[tuple[int, str], torch.Tensor]] | None = None,
+        path: str | os.PathLike = "",
     ) -> None:
         self._call, self._laters = call, laters
+        self.path = os.path.abspath(os.fspath(path)) if path else ""
         self._background = [la.write for la in laters] + list(background)
         self._publish, self._abort = publish, abort
         self._keep = keep or []
@@ -274,6 +283,7 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._outcome: BaseException | None = None
         self._finished = False
+        self._discarded = False
         # What must wait for the writer thread: closing the files it writes through (a
         # closed descriptor's number is reused by the next open — the thread would write
         # into that file) and handing its buffer to the next save.
@@ -284,6 +294,64 @@ class AsyncSave:
             target=self._write, name=f"shardgather {call.what}", daemon=True
         )
         self._thread.start()
+        _PENDING.add(self)
+
+    def __repr__(self) -> str:
+        if not self._finished:
+            state = "writing" if self._thread.is_alive() else "written, not yet waited for"
+            if self._error is not None:
+                state = f"failed on this rank ({type(self._error).__name__})"
+        elif self._outcome is not None or self._error is not None:
+            state = "failed"
+        elif self._discarded:
+            state = "discarded (never waited for)"
+        else:
+            state = "published"
+        size = self.snapshot_bytes / 2**20
+        return f"<AsyncSave {self._call.what} -> {self.path or '?'}: {state}, {size:.1f} MiB snapshot>"
+
+    def __enter__(self) -> AsyncSave:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            self.wait()
+        else:  # the block's own error is the one to see; the save still ends here
+            with contextlib.suppress(Exception):
+                self.wait()
+        return False
+
+    def __del__(self) -> None:
+        # Reached only once the writer thread ended (it holds this handle) and the
+        # model is gone (its in-flight entry holds it too).
+        if not getattr(self, "_finished", True):
+            self._discard("it was garbage-collected", join_s=0)
+
+    def _discard(self, why: str, join_s: float) -> None:
+        """Never waited for: say so, publish nothing, remove the temporaries (rank 0
+        created them; every rank closes its files)."""
+        if self._finished:
+            return
+        shown = repr(self)
+        self._finished = self._discarded = True
+        warnings.warn(
+            f"{shown} was never waited for ({why}): it is discarded, nothing was "
+            "published and its temporary files are removed. Call .wait() on every rank "
+            "after a blocking=False save (or use `with ...:`).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self._thread.join(join_s)
+        call = self._call
+
+        def abort() -> None:
+            for later in self._laters:
+                later.sink.abort(call)
+            if self._abort is not None:
+                self._abort()
+
+        self._when_written(abort)
+        _IN_FLIGHT.pop(self._owner, None)
 
     def _write(self) -> None:
         try:
@@ -373,6 +441,19 @@ class AsyncSave:
 
 # One save in flight per model: id(model) -> its pending save.
 _IN_FLIGHT: dict[int, AsyncSave] = {}
+# Every save not yet waited for, whoever holds it (for the exit warning).
+_PENDING: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
+
+
+@atexit.register
+def _discard_pending() -> None:
+    """At exit, a save never waited for is discarded with a warning, its temporaries
+    removed: publishing needs every rank's agreement, which a process leaving cannot
+    get (the others may be gone, the process group destroyed). Its writer gets up to
+    30 s to end, so its files can be closed before they are removed."""
+    for save in list(_PENDING):
+        if not save._finished:
+            save._discard("the interpreter is exiting", join_s=30)
 
 
 def settle(model: Any, in_flight: str) -> None:
