@@ -469,6 +469,7 @@ def load_full_optim_state_dict(
         groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
         skeleton, source = None, None
         if osd:
+            O.check_kind(optimizer, osd.get("param_groups") if isinstance(osd, dict) else None)
             skeleton, tensors = skeleton_of(plan, groups, osd)
             source = L.DictSource(tensors)
         loaded: list[O.LoadedState] = []

@@ -374,6 +374,7 @@ def load_checkpoint(
             skeleton = None
             if groups is not None:
                 saved = _read_optimizer(root, trust_pickle)
+                O.check_kind(optimizer, saved.param_groups)
                 skeleton, stored = _optimizer_skeleton(plan, groups, saved)
                 state_source = L.StoredSource(stored, saved.path)
             extra: Any = None  # rank 0 reads it for everyone: it travels in the round

@@ -123,3 +123,27 @@ def test_before_first_step_and_mismatch() -> None:
     r = dist_harness.run("tests.test_optim:optim_edge_cases", 2)[0]
     assert r["empty_state"] and r["groups"] == 2
     assert r["mismatch"] is not None and "nope" in r["mismatch"]
+
+
+def test_another_kind_of_optimizer_is_refused_before_anything_changes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An AdamW checkpoint into SGD(momentum=0.9): refused by name, in both verbs,
+    instead of loading and failing at the next step with KeyError: 'momentum'."""
+    from .models import TinyLM
+
+    model = TinyLM(tied=False)
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 37, (2, 5))).float().pow(2).mean().backward()
+    adam.step()
+    sg.save_checkpoint(tmp_path / "ckpt", model, adam)
+    osd = sg.full_optim_state_dict(model, adam)
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    before = sgd.state_dict()
+    with pytest.raises(sg.StateDictMismatchError, match="not a SGD's.*betas.*momentum"):
+        sg.load_full_optim_state_dict(model, sgd, osd)
+    with pytest.raises(sg.StateDictMismatchError, match="same optimizer type"):
+        sg.load_checkpoint(tmp_path / "ckpt", model, sgd)
+    assert sgd.state_dict() == before
+    # The same type with other settings values loads (the saved values win, as in torch).
+    again = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    sg.load_checkpoint(tmp_path / "ckpt", model, again)
+    assert again.param_groups[0]["lr"] == 1e-2

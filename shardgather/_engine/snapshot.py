@@ -308,7 +308,9 @@ class AsyncSave:
         else:
             state = "published"
         size = self.snapshot_bytes / 2**20
-        return f"<AsyncSave {self._call.what} -> {self.path or '?'}: {state}, {size:.1f} MiB snapshot>"
+        return (
+            f"<AsyncSave {self._call.what} -> {self.path or '?'}: {state}, {size:.1f} MiB snapshot>"
+        )
 
     def __enter__(self) -> AsyncSave:
         return self

@@ -331,6 +331,28 @@ def check_groups(groups: list[list[ParamRef]], saved_groups: Any) -> None:
             )
 
 
+def check_kind(optimizer: Any, saved_groups: Any) -> None:
+    """The saved state is this kind of optimizer's: its param groups' settings are not
+    another optimizer's (AdamW's ``betas`` where SGD has ``momentum``). A checkpoint of
+    another kind would load silently and fail at the next step (``KeyError:
+    'momentum'``) or, worse, step with the wrong state. A setting only one side has is
+    a torch version's new or dropped default, not another optimizer: allowed."""
+    if not isinstance(saved_groups, list):
+        return
+    for g, (mine, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        if not isinstance(saved, dict):
+            return
+        here, there = set(mine) - {"params"}, set(saved) - {"params"}
+        missing, extra = sorted(here - there), sorted(there - here)
+        if missing and extra:
+            raise StateDictMismatchError(
+                f"the saved optimizer state is not a {type(optimizer).__name__}'s: its "
+                f"param group {g} has settings {extra} that {type(optimizer).__name__} does "
+                f"not, and lacks {missing}. Build the same optimizer type as the one that "
+                "was saved (nothing was loaded)."
+            )
+
+
 # (param groups, scalar states by key, element-wise state dtypes by key): what a
 # rank needs, besides the bytes, to load optimizer state it cannot read itself.
 Skeleton = tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, torch.dtype]]]
