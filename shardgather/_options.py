@@ -60,7 +60,7 @@ class Options:
         bucket_mb: MiB per bucket / message (None: 16 on CPU, 256 on CUDA).
         rank0_only: only global rank 0 receives (gathers).
         pin_memory: outputs in pinned host memory (CUDA).
-        progress: a tqdm bar of bytes on the receiving rank(s).
+        progress: one tqdm bar on rank 0 counting every rank's bytes (``_progress``).
         timeout: the longest any wait of the call may last.
         transport: see :class:`Transport`.
         shared_filesystem: every host sees the output path (saves: every rank writes).
@@ -144,20 +144,3 @@ def check_model(model: Any) -> nn.Module:
             f"{type(model).__name__}"
         )
     return model
-
-
-class Progress:
-    def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

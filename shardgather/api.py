@@ -61,7 +61,8 @@ def full_state_dict(
             Default: 16 on CPU (gloo; bigger buckets only add page faults and stall the
             pipeline, measured in bench/), 256 on CUDA.
         pin_memory: return pinned tensors (fast later host-to-device copies).
-        progress: show a tqdm bar of bytes on the receiving rank(s).
+        progress: one tqdm bar on rank 0 counting the bytes every rank moves (ends
+            at 100 %).
         timeout: the longest any wait may last: a failed, dead or stuck rank makes
             every rank raise within it, instead of hanging.
         transport: ``"auto"`` (with ``rank0_only`` and without ``pin_memory``): each
@@ -315,6 +316,7 @@ def load_full_state_dict(
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     key_map: KeyMap | None = None,
     transport: str = "auto",
+    progress: bool = False,
 ) -> LoadResult:
     """Load a full state dict into a (sharded) model, in place, each rank taking only
     its own elements.
@@ -346,6 +348,7 @@ def load_full_state_dict(
         transport: ``"auto"``: every rank reads its own elements where it can see the
             source, else rank 0 sends them; ``"node-local"`` requires the former;
             ``"collective"`` always has rank 0 send.
+        progress: one tqdm bar on rank 0 counting every rank's bytes.
 
     Returns:
         ``LoadResult(missing_keys, unexpected_keys)`` (clean names).
@@ -355,7 +358,13 @@ def load_full_state_dict(
         StateDictMismatchError: keys (strict), shapes or non-castable dtypes differ.
     """
     with Call("load_full_state_dict", timeout) as call:
-        opts = Options(bucket_mb=bucket_mb, timeout=timeout, transport=transport, strict=strict)
+        opts = Options(
+            bucket_mb=bucket_mb,
+            timeout=timeout,
+            transport=transport,
+            strict=strict,
+            progress=progress,
+        )
         if not isinstance(source, (str, os.PathLike, Mapping)):
             raise ShardGatherError(
                 f"source must be a file path or a dict of tensors, got {type(source).__name__}"
@@ -451,6 +460,7 @@ def load_full_optim_state_dict(
     *,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
+    progress: bool = False,
 ) -> None:
     """Load a full optimizer state (from :func:`full_optim_state_dict`, any world size
     or FSDP flavour) into ``optimizer``: each rank keeps only its shard of every state
@@ -464,7 +474,7 @@ def load_full_optim_state_dict(
             nothing is loaded.
     """
     with Call("load_full_optim_state_dict", timeout) as call:
-        opts = Options(timeout=timeout, transport=transport)
+        opts = Options(timeout=timeout, transport=transport, progress=progress)
         plan = build_plan(check_model(model))
         groups = O.optimizer_refs(optimizer, O.param_refs(model, plan))
         skeleton, source = None, None

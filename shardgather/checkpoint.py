@@ -17,6 +17,7 @@ optimizer changes only after every rank has read its state.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -39,6 +40,7 @@ from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
+from ._progress import Progress
 from .errors import CheckpointError, StateDictMismatchError
 from .io import json_values
 from .io.publish import publish_dir
@@ -74,6 +76,7 @@ def save_checkpoint(
     in_flight: str = "wait",
     reuse_staging: bool = True,
     write_mb_per_s: float | None = None,
+    progress: bool = False,
 ) -> AsyncSave | None:
     """Save model, optimizer state and ``extra`` to the directory ``path``, atomically.
 
@@ -90,7 +93,9 @@ def save_checkpoint(
     shard of the model and of the optimizer state aside (``extra`` is serialised now),
     the optimizer may step at once, and the returned :class:`AsyncSave`'s ``wait()``
     (on every rank, or the next save of the model) publishes the directory.
-    ``in_flight``, ``reuse_staging``, ``write_mb_per_s``: as there.
+    ``in_flight``, ``reuse_staging``, ``write_mb_per_s``: as there. ``progress``: one
+    tqdm bar on rank 0 for the model and the optimizer state, every rank's bytes
+    (blocking saves; a background save's writes are not shown).
 
     Raises:
         ShardGatherError: a param group holds a value JSON cannot carry.
@@ -105,6 +110,7 @@ def save_checkpoint(
         shared_filesystem=shared_filesystem,
         in_flight=in_flight,
         write_mb_per_s=write_mb_per_s,
+        progress=progress,
     )
     snapshot.settle(model, opts.in_flight)
     final = os.path.abspath(os.fspath(path))
@@ -120,9 +126,13 @@ def save_checkpoint(
         try:
             small = _small_files(call, st, extra)  # their values at call time
             if blocking:
-                run.gather(call, plan, _files(plan, tmp, MODEL_FILE), opts)
-                if st is not None:
-                    run.gather(call, st.plan, _files(st.plan, tmp, OPTIM_FILE), opts)
+                total = run.plan_bytes(plan) + (run.plan_bytes(st.plan) if st else 0)
+                with contextlib.closing(
+                    Progress(call, opts.progress, total, "shardgather: save_checkpoint")
+                ) as bar:
+                    run.gather(call, plan, _files(plan, tmp, MODEL_FILE), opts, bar)
+                    if st is not None:
+                        run.gather(call, st.plan, _files(st.plan, tmp, OPTIM_FILE), opts, bar)
                 for name, data in small.items():
                     _write_durably(os.path.join(tmp, name), data)
                 if call.rank == 0:
@@ -323,6 +333,7 @@ def load_checkpoint(
     trust_pickle: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Load a directory written by :func:`save_checkpoint` into ``model`` (and
     ``optimizer``); returns the ``extra`` dict. Works at any world size and FSDP
@@ -345,6 +356,7 @@ def load_checkpoint(
         transport: ``"auto"``: every rank reads its own elements where every rank sees
             the directory, else rank 0 sends them; ``"node-local"`` requires the
             former; ``"collective"`` always has rank 0 read and send.
+        progress: one tqdm bar on rank 0 (model and optimizer state), every rank's bytes.
 
     Raises:
         CheckpointError: not a checkpoint directory (on rank 0), a file is missing or
@@ -352,7 +364,7 @@ def load_checkpoint(
         StateDictMismatchError: the model or optimizer does not match.
     """
     with Call("load_checkpoint", timeout) as call:
-        opts = Options(timeout=timeout, transport=transport, strict=strict)
+        opts = Options(timeout=timeout, transport=transport, strict=strict, progress=progress)
         root = os.fspath(path)
         model_file = os.path.join(root, MODEL_FILE)
         reshard_for_load(check_model(model))

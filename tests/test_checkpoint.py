@@ -14,7 +14,7 @@ import shardgather as sg
 from . import dist_harness
 from .builders import build, io_read_bytes
 from .compare import diff_state_dicts
-from .models import TinyLM, train_steps
+from .models import TinyLM, make_optimizer, train_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -384,3 +384,45 @@ def test_load_reads_only_each_ranks_own_bytes(tmp_path, kind: str) -> None:  # t
         # Own elements + the header + collectives' small messages; never the whole file.
         assert r["own"] <= r["read"] <= r["own"] + 2**20, r
         assert r["own"] < 0.6 * r["file"], r
+
+
+def progress_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[type-arg]
+    """Each verb's bar on rank 0: what the ranks counted before the done round forced
+    the bar to its total (it must already be there) — for saves, loads, checkpoints."""
+    from shardgather import _progress
+
+    seen: list[tuple[str, int, int]] = []
+    real_done = _progress.Progress.done
+
+    def done(self):  # type: ignore[no-untyped-def]
+        if self.bar is not None:
+            seen.append((self.bar.desc, int(self.bar.n), self.base + self.part_total))
+        real_done(self)
+
+    _progress.Progress.done = done  # type: ignore[method-assign]
+    model, _ = build("fsdp2", world, seed=0)
+    opt = make_optimizer(model)
+    train_steps(model, rank, 1, opt)
+    path = os.path.join(root, "m.safetensors")
+    sg.save_full_state_dict(model, path, progress=True)
+    sg.load_full_state_dict(model, path, progress=True)
+    sg.save_checkpoint(os.path.join(root, "ckpt"), model, opt, progress=True)
+    sg.load_checkpoint(os.path.join(root, "ckpt"), model, opt, progress=True)
+    sg.full_state_dict(model, progress=True, transport="collective")
+    return {"seen": seen}
+
+
+def test_progress_counts_every_ranks_bytes_and_ends_at_the_total(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    r0, r1 = dist_harness.run("tests.test_checkpoint:progress_worker", 2, root=str(tmp_path))
+    assert r1["seen"] == []  # one bar per job, on rank 0
+    descs = [d for d, _, _ in r0["seen"]]
+    assert descs == [
+        "shardgather: save_full_state_dict",
+        "shardgather: load_full_state_dict",
+        "shardgather: save_checkpoint",  # the model
+        "shardgather: save_checkpoint",  # the optimizer state
+        "shardgather: load_checkpoint",
+        "shardgather: full_state_dict",
+    ], descs
+    for desc, counted, total in r0["seen"]:
+        assert total > 0 and counted == total, (desc, counted, total)

@@ -34,6 +34,7 @@ from .._dist import Call, data_group
 from .._fqn import clean_fqn, has_wrapper_components
 from .._options import Options, Transport
 from .._plan import Block, Entry, GatherPlan, flat_of, own_blocks, row_blocks
+from .._progress import Progress
 from ..errors import ShardGatherError, StateDictMismatchError
 from ..io.safetensors_format import pread_into
 from ..io.stored import StoredTensor
@@ -428,19 +429,28 @@ def run(
         Rank 0's ``seen`` (what only rank 0 reads, such as a checkpoint's ``extra``, is
         every rank's then).
     """
+    bar: Progress | None = None
     try:
         agreed = plan_round(call, plan, seen is not None, opts, extra=seen, also_same=also_same)
         view = seen if seen is not None else agreed.rank0_extra
-        move(call, build(view), agreed, opts)
+        loadings = build(view)
+        total = sum(e.nbytes for ld in loadings for e in ld.plan.entries.values())
+        bar = Progress(call, opts.progress, total, f"shardgather: {call.what}")
+        move(call, loadings, agreed, opts, bar)
         call.round("done")
+        bar.done()
         return agreed.rank0_extra
     finally:
+        if bar is not None:
+            bar.close()
         for src in sources:
             if src is not None:
                 src.close()
 
 
-def move(call: Call, loadings: list[Loading], agreed: Agreement, opts: Options) -> None:
+def move(
+    call: Call, loadings: list[Loading], agreed: Agreement, opts: Options, bar: Progress
+) -> None:
     """The data phase: every loading's present entries into this rank's shards."""
     sink = Shards(opts.bucket_bytes(False))
     if agreed.node_local:
@@ -450,10 +460,15 @@ def move(call: Call, loadings: list[Loading], agreed: Agreement, opts: Options) 
                 src_key = ld.keys.get(key)
                 if src_key is not None:
                     ld.source.load_own(sink, e, src_key)
+                    if e.source.group is not None or call.rank == 0:  # whole: counted once
+                        bar.update(sum(b.numel for b in own_blocks(e)) * e.dtype.itemsize)
+        bar.report(last=True)
+        if call.rank == 0:
+            bar.watch_others()
     else:
         group = data_group(call)
         for ld in loadings:
-            _scatter(call, ld, sink, group, agreed.rows_of)
+            _scatter(call, ld, sink, group, agreed.rows_of, bar)
 
 
 def blocks_for(e: Entry, rows: Mapping[int, int]) -> list[Block]:
@@ -475,7 +490,12 @@ def _elements(flat: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
 
 
 def _scatter(
-    call: Call, ld: Loading, sink: Shards, group: Any, rows_of: list[dict[int, int]] | None
+    call: Call,
+    ld: Loading,
+    sink: Shards,
+    group: Any,
+    rows_of: list[dict[int, int]] | None,
+    bar: Progress,
 ) -> None:
     """Rank 0 sends every rank its own elements of each present entry, in plan order,
     one entry at a time (the schedule: the plan and the keys, known to every rank);
@@ -500,6 +520,7 @@ def _scatter(
                 sink.write(e, b, flat, packed=False)
             for work, r in works:
                 call.wait(work, f"sending {key} to rank {r}", r)
+            bar.update(e.nbytes)  # rank 0 reads and sends every byte: its count is the job's
         elif mine:
             buf = torch.empty(sum(b.numel for b in mine), dtype=ld.dtypes[src_key])
             work = _dist.recv(group, buf, 0, tag)

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from .._dist import Call, data_group
-from .._options import Options, Progress, Transport
+from .._options import Options, Transport
 from .._plan import GatherPlan
+from .._progress import Progress
 from . import node_local
 from .buckets import Bucket, bucket_parts, my_buckets
 from .collective import BucketGathers, gather_buckets
@@ -47,17 +48,35 @@ def host_buckets(plan: GatherPlan) -> bool:
     return any(s.group is not None and s.device.type != "cuda" for s in plan.sources)
 
 
-def gather(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Any:
+def gather(
+    call: Call, plan: GatherPlan, sink: Sink, opts: Options, bar: Progress | None = None
+) -> Any:
     """Every primary entry of ``plan`` into ``sink``; returns ``sink.finish``'s result.
-    Collective: every rank, same plan (the plan round checks it)."""
+    Collective: every rank, same plan (the plan round checks it). ``bar``: the job's
+    progress when this gather is one part of it (else one of its own, per ``opts``)."""
+    own_bar = bar is None
+    if bar is None:
+        bar = Progress(call, opts.progress, plan_bytes(plan), f"shardgather: {call.what}")
+    else:
+        bar.part(plan_bytes(plan))
     try:
         way = route(call, plan, sink, opts)
-        move(call, plan, sink, opts, way)
-        return finish(call, sink)
+        move(call, plan, sink, opts, way, bar)
+        result = finish(call, sink)
+        bar.done()
+        return result
     except BaseException as exc:
         call.latch(exc)  # before the cleanup: a peer must find our error, not its effect
         sink.abort(call)
         raise
+    finally:
+        if own_bar:
+            bar.close()
+
+
+def plan_bytes(plan: GatherPlan) -> int:
+    """The bytes a gather of ``plan`` moves: every entry once, in its target dtype."""
+    return sum(e.nbytes for e in plan.entries.values())
 
 
 @dataclass
@@ -129,41 +148,63 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
     return Route(local, remote, writes_pieces, receives, group, buckets)
 
 
-def move(call: Call, plan: GatherPlan, sink: Sink, opts: Options, way: Route) -> None:
+def move(
+    call: Call, plan: GatherPlan, sink: Sink, opts: Options, way: Route, bar: Progress
+) -> None:
     """The data phase, then each rank flushes its own writes."""
-    total = sum(e.nbytes for e in plan.entries.values())
-    bar = Progress(opts.progress and way.receives, total, f"shardgather: {call.what}")
     participating = way.participating(plan)
-    try:
-        if way.receives:
-            for e in plan.entries.values():
-                if e.source.group is None:  # held whole by every rank: no transport
-                    sink.write_whole(e)
+    if way.receives:
+        for e in plan.entries.values():
+            if e.source.group is None:  # held whole by every rank: no transport
+                sink.write_whole(e)
+                if call.rank == 0:
                     bar.update(e.nbytes)
-        message_bytes = opts.bucket_bytes(on_cuda(plan))
-        if way.local:
-            mine = pieces_of(plan, participating)
-            if call.rank in way.remote:
-                send_pieces(call, mine, message_bytes, way.group)
-            elif way.writes_pieces:
-                write_pieces(mine, sink.target, sink.direct_fd)
-            if call.rank == 0:
-                bar.update(sum(pc.numel * pc.entry.target_dtype.itemsize for pc in mine))
-                for sender in way.remote:
-                    theirs = pieces_of(plan, participating, sender)
-                    receive_pieces(call, sender, theirs, message_bytes, way.group, sink)
-        else:
-            by_source = plan.entries_by_source()
-            for bucket, rows in gather_buckets(
-                call, way.buckets, lambda b: way.receives, to_one=opts.rank0_only, group=way.group
-            ):
-                if rows is not None:
-                    parts = bucket_parts(bucket, by_source)
-                    sink.write_rows(rows, parts)
+    message_bytes = opts.bucket_bytes(on_cuda(plan))
+    if way.local:
+        mine = pieces_of(plan, participating)
+        if call.rank in way.remote:
+            send_pieces(call, mine, message_bytes, way.group)
+        elif way.writes_pieces:
+            # With a bar, in batches, each counted; without, in one go (no change)
+            for batch in _batches(mine) if bar.enabled else [mine]:
+                write_pieces(batch, sink.target, sink.direct_fd)
+                bar.update(_piece_bytes(batch))
+        bar.report(last=True)
+        if call.rank == 0:
+            for sender in way.remote:
+                theirs = pieces_of(plan, participating, sender)
+                receive_pieces(call, sender, theirs, message_bytes, way.group, sink)
+                bar.update(_piece_bytes(theirs))
+            bar.watch_others()  # the ranks writing their own pieces beside rank 0
+    else:
+        by_source = plan.entries_by_source()
+        for bucket, rows in gather_buckets(
+            call, way.buckets, lambda b: way.receives, to_one=opts.rank0_only, group=way.group
+        ):
+            if rows is not None:
+                parts = bucket_parts(bucket, by_source)
+                sink.write_rows(rows, parts)
+                if call.rank == 0:
                     bar.update(sum(p.nbytes for p in parts))
-        sink.flush()
-    finally:
-        bar.close()
+    sink.flush()
+
+
+def _piece_bytes(pieces: list[Any]) -> int:
+    return sum(pc.numel * pc.entry.target_dtype.itemsize for pc in pieces)
+
+
+def _batches(pieces: list[Any], nbytes: int = 64 << 20) -> Iterator[list[Any]]:
+    """``pieces`` in runs of about ``nbytes`` (a progress report after each)."""
+    batch: list[Any] = []
+    size = 0
+    for pc in pieces:
+        batch.append(pc)
+        size += pc.numel * pc.entry.target_dtype.itemsize
+        if size >= nbytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def finish(call: Call, sink: Sink) -> Any:

@@ -29,6 +29,7 @@ import torch
 from .._dist import Call
 from .._options import Options
 from .._plan import Entry, GatherPlan
+from .._progress import Progress
 from ..errors import CollectiveError, ShardGatherError
 from ..io.safetensors_format import pwrite_from
 from . import node_local
@@ -237,7 +238,7 @@ def gather_later(
                 "rank (one host, or shared_filesystem=True, and contiguous entries); this "
                 "save wrote its data now"
             )
-            move(call, plan, sink, opts, way)
+            move(call, plan, sink, opts, way, Progress(call, False, 0, ""))
             return Later(call, sink, None)
         snap = Snapshot()
         whole = [e for e in plan.entries.values() if e.source.group is None] if way.receives else []
