@@ -32,8 +32,10 @@ collective): a call is identified by its rank of order.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import json
 import os
 import pickle
@@ -591,6 +593,23 @@ def data_group(call: Call) -> Any:
     _DATA["group"] = dist.ProcessGroupGloo(store, call.rank, call.world, opts)
     STATS["data_groups"] += 1
     return _DATA["group"]
+
+
+@atexit.register
+def _drop_data_group() -> None:
+    """Destroy the data group while the interpreter is still whole. Left to the end of
+    the process, the group (not one of torch's: destroy_process_group() does not know
+    it) was torn down with its gloo threads still running, and about one exit in four
+    aborted with "terminate called without an active exception" — SIGABRT after a
+    successful script, which torchrun reports as a failed job."""
+    group = _DATA["group"]
+    _DATA.update(group=None, owner=None, generation=-1)
+    if group is None:
+        return
+    with contextlib.suppress(Exception):
+        group.shutdown()
+    del group
+    gc.collect()
 
 
 def send(group: Any, t: torch.Tensor, dst: int, tag: int) -> Any:

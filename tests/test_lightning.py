@@ -568,3 +568,28 @@ def test_trainer_tensor_parallel_saves_consolidated_and_resumes_bit_exactly(tmp_
     assert not diff_state_dicts(
         {f"lm.{k}": v for k, v in plain.state_dict().items()}, res[0]["saved"]
     )
+
+
+def fabric_default_sizes_worker(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    """The README's Fabric recipe before issue 27: sizes left at "auto" put both
+    processes on "tensor_parallel", and a parallelize function sharding over
+    "data_parallel" shards nothing. It used to train two unsynchronised copies silently."""
+    import lightning as L
+
+    from shardgather.integrations.lightning import FabricModelParallelStrategy
+
+    _lightning_env(rank, world)
+    strategy = FabricModelParallelStrategy(lambda m, mesh: _fully_shard(m, mesh["data_parallel"]))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.setup_module(TinyLM())
+    return {"warnings": [str(w.message) for w in caught if "shardgather" in str(w.message)]}
+
+
+def test_fabric_sizes_that_shard_nothing_are_warned(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for r in dist_harness.run("tests.test_lightning:fabric_default_sizes_worker", 2):
+        assert len(r["warnings"]) == 1, r
+        msg = r["warnings"][0]
+        assert "'tensor_parallel'" in msg and "tensor_parallel_size=1" in msg, msg

@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -148,7 +149,7 @@ class _TrainerCheckpoints:
         extra = {k: v for k, v in checkpoint.items() if k not in (_MODEL_KEY, _OPTIM_KEY)}
         # trainer.save_checkpoint(weights_only=True) leaves the optimizer out: so do we.
         opt = _one_optimizer(self.optimizers) if _OPTIM_KEY in checkpoint else None
-        background = isinstance(self.checkpoint_io, AsyncCheckpointIO)
+        background = isinstance(self.checkpoint_io, AsyncCheckpointIO) and self._running()
         handle = save_checkpoint(
             path,
             self.model,
@@ -159,6 +160,15 @@ class _TrainerCheckpoints:
         )
         if background:
             self._pending = handle
+
+    def _running(self) -> bool:
+        """Whether a fit (validate, test...) is running: a background save is finished
+        by the next save, a load or the run's teardown, so outside a run — a
+        ``trainer.save_checkpoint`` after ``fit`` — there would be none to finish it
+        (the process exiting discards it): such a save is written at once."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        status = getattr(getattr(trainer, "state", None), "status", None)
+        return getattr(status, "value", status) == "running"
 
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
@@ -203,8 +213,44 @@ class _TrainerCheckpoints:
             super().teardown()  # type: ignore[misc]
 
 
+def _warn_unused_mesh_dims(model: nn.Module, mesh: Any) -> None:
+    """Warn (once per dimension) when a dimension of the strategy's mesh larger than 1
+    holds no parameter: the ranks along it train unsynchronised full copies and the
+    checkpoint is one rank's copy — silently. The classic cause: Lightning's sizes
+    default to "auto", which puts every process on "tensor_parallel", while the
+    parallelize function shards over "data_parallel" only. Reads each parameter's
+    placement metadata only: no data, no collective."""
+    from torch.distributed.tensor import DTensor
+
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    used: set[str] = set()
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            used.update(p.device_mesh.mesh_dim_names or ())
+    for i, name in enumerate(names):
+        if mesh.size(i) > 1 and name not in used and name not in _WARNED_DIMS:
+            _WARNED_DIMS.add(name)
+            sizes = ", ".join(f"{n}={mesh.size(j)}" for j, n in enumerate(names))
+            warnings.warn(
+                f"shardgather: no parameter of the model is placed on the mesh's {name!r} "
+                f"dimension ({sizes}): the {mesh.size(i)} ranks along it hold full, "
+                "unsynchronised copies, and a checkpoint saves one of them. Pass the sizes "
+                "your parallelize function uses, e.g. data_parallel_size=N, "
+                "tensor_parallel_size=1 for FSDP alone.",
+                stacklevel=3,
+            )
+
+
+_WARNED_DIMS: set[str] = set()
+
+
 class ModelParallelStrategy(_TrainerCheckpoints, _TrainerModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2), checkpointing through shardgather."""
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.model is not None:
+            _warn_unused_mesh_dims(self.model, self.device_mesh)
 
 
 class FSDPStrategy(_TrainerCheckpoints, _TrainerFSDPStrategy):
@@ -286,6 +332,11 @@ def _split(
 
 class FabricModelParallelStrategy(_FabricCheckpoints, _FabricModelParallelStrategy):
     """Fabric's ``ModelParallelStrategy`` (FSDP2), checkpointing through shardgather."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        _warn_unused_mesh_dims(module, self.device_mesh)
+        return module
 
 
 class FabricFSDPStrategy(_FabricCheckpoints, _FabricFSDPStrategy):
