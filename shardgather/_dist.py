@@ -310,6 +310,18 @@ class Call:
     def _key(self, name: str) -> str:
         return f"{_PREFIX}{self.id}/{name}"
 
+    def counter_key(self, name: str) -> str:
+        """A store key of this call that ranks may ``add`` to (e.g. progress counts);
+        rank 0 deletes it with the call's other keys, once every rank is past it."""
+        key = self._key(name)
+        if self.rank == 0:
+            _KEYS.append(key)
+        return key
+
+    def any_failed(self) -> bool:
+        """Whether any rank has posted a failure of this call (the next round raises)."""
+        return bool(self.distributed and self.store.add(self._key("nfailed"), 0) > 0)
+
     def _set(self, name: str, value: str | bytes) -> None:
         key = self._key(name)
         self.store.set(key, value)

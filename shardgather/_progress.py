@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any
 
-from ._dist import _KEYS, Call
+from ._dist import Call
 
 REPORT_BYTES = 64 << 20
 STALL_S = 5.0  # rank 0 stops watching a counter that did not move for this long
@@ -34,18 +34,22 @@ class Progress:
         self.base = 0  # bytes of the parts already complete
         self.part_total = total
         self.seen = 0  # other ranks' bytes of this part shown so far
+        self.keys: tuple[str, str] | None = None
         if enabled and call.rank == 0:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
 
-    def _key(self) -> str:
-        return self.call._key(f"progress/{self.parts}")
+    def _keys(self) -> None:
+        """This part's counters: bytes, and ranks done (made once per part, when used)."""
+        if self.keys is None:
+            name = f"progress/{self.parts}"
+            self.keys = (self.call.counter_key(name), self.call.counter_key(name + "/ranks"))
 
     def part(self, nbytes: int) -> None:
         """The next part of the job moves ``nbytes`` (all ranks together)."""
         self.parts += 1
-        self.part_total, self.seen = nbytes, 0
+        self.part_total, self.seen, self.keys = nbytes, 0, None
 
     def update(self, n: int) -> None:
         """This rank moved ``n`` more bytes."""
@@ -63,11 +67,13 @@ class Progress:
         of the part is done (rank 0 stops watching once every other rank said so)."""
         if not self.enabled or self.bar is not None or not self.call.distributed:
             return
+        self._keys()
+        assert self.keys is not None
         with contextlib.suppress(Exception):
             if self.unreported:
-                self.call.store.add(self._key(), self.unreported)
+                self.call.store.add(self.keys[0], self.unreported)
             if last:
-                self.call.store.add(self._key() + "/ranks", 1)
+                self.call.store.add(self.keys[1], 1)
         self.unreported = 0
 
     def watch_others(self) -> None:
@@ -78,14 +84,14 @@ class Progress:
         if self.bar is None or not self.call.distributed:
             return
         store, moved = self.call.store, time.monotonic()
-        if self.call.rank == 0:
-            _KEYS.extend([self._key(), self._key() + "/ranks"])
+        self._keys()
+        assert self.keys is not None
         room = max(0, self.base + self.part_total - self.bar.n)
         while True:
             try:
-                n = store.add(self._key(), 0)
-                ranks = store.add(self._key() + "/ranks", 0)
-                failed = store.add(self.call._key("nfailed"), 0) > 0
+                n = store.add(self.keys[0], 0)
+                ranks = store.add(self.keys[1], 0)
+                failed = self.call.any_failed()
             except Exception:
                 return
             if n > self.seen:
