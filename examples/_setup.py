@@ -41,10 +41,22 @@ def same(a: dict, b: dict) -> bool:  # type: ignore[type-arg]
 
 
 def finish(ok: bool, what: str) -> None:
-    """Every rank reports; rank 0 prints the line the test looks for."""
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(ok))
-    if dist.get_rank() == 0:
+    """Every rank reports; rank 0 prints the line the test looks for.
+
+    The reports go through the job's store, not a collective: a gloo collective as the
+    last act races the interpreter's exit while a wrapper (Accelerate's DDP) still holds
+    the default group — destroy_process_group() does not join gloo's workers, and a
+    worker freeing the last collective's Python tensors after finalization began takes
+    the process down with SIGABRT ("terminate called without an active exception"),
+    about one exit in eight."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"examples/{what}"
+    store.set(f"{key}/ok/{rank}", "1" if ok else "0")
+    flags = [store.get(f"{key}/ok/{r}") == b"1" for r in range(world)]  # get() waits
+    store.set(f"{key}/read/{rank}", "1")
+    store.wait([f"{key}/read/{r}" for r in range(world)])  # nobody leaves before all read
+    if rank == 0:
         print(f"{what}: {'OK' if all(flags) else 'FAILED'}")
     dist.destroy_process_group()
     if not all(flags):

@@ -9,14 +9,13 @@ module loading the export, and the async-save callback and plugin (4 CPU process
 import os
 import sys
 
-from _setup import same, tiny_llama
+from _setup import finish, same, tiny_llama
 
 os.makedirs(sys.argv[1], exist_ok=True)
 os.chdir(sys.argv[1])  # Lightning writes lightning_logs/ here
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 import torch
-import torch.distributed as dist
 
 
 def build_model():  # type: ignore[no-untyped-def]
@@ -119,7 +118,4 @@ trainer = L.Trainer(strategy=strategy, devices=4, max_steps=2, callbacks=[SaveEv
 trainer.fit(LitModel(), data)
 ok = ok and sorted(os.listdir("ckpt")) == ["1", "2"]
 ok = ok and os.path.isfile("async.ckpt/model.safetensors")
-flags = [None] * dist.get_world_size()
-dist.all_gather_object(flags, bool(ok))
-if dist.get_rank() == 0:
-    print(f"lightning_trainer: {'OK' if all(flags) else 'FAILED'}")
+finish(ok, "lightning_trainer")
