@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 from ._dist import set_arrival_timeout
 from ._engine.snapshot import AsyncSave
 from ._options import Transport
+from .adapters import adapter_keys, load_adapter, save_adapter
 from .api import (
     LoadResult,
     full_optim_state_dict,
@@ -51,16 +52,19 @@ __all__ = [
     "StateDictMismatchError",
     "Transport",
     "UnsupportedModelError",
+    "adapter_keys",
     "build_info",
     "clean_fqn",
     "full_optim_state_dict",
     "full_state_dict",
     "iter_full_tensors",
+    "load_adapter",
     "load_checkpoint",
     "load_file",
     "load_full_optim_state_dict",
     "load_full_state_dict",
     "release_staging",
+    "save_adapter",
     "save_checkpoint",
     "save_full_state_dict",
     "set_arrival_timeout",

@@ -24,6 +24,7 @@ from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
+from ._plan.subset import KeySelection, select
 from .errors import CheckpointError, ShardGatherError
 from .io.hf_layout import KeyMap, extra_files, map_keys, output_layout
 from .io.safetensors_format import read_header
@@ -37,6 +38,7 @@ def full_state_dict(
     *,
     rank0_only: bool = True,
     dtype: torch.dtype | None = None,
+    keys: KeySelection | None = None,
     bucket_mb: float | None = None,
     pin_memory: bool = False,
     progress: bool = False,
@@ -57,6 +59,11 @@ def full_state_dict(
         rank0_only: only global rank 0 gets the dict, the others get ``{}``; with
             HSDP only rank 0's replica gathers. False: every rank gets it.
         dtype: cast floating-point tensors to this dtype (fused into the copy-out).
+        keys: only these keys, and nothing else is gathered, moved or staged:
+            ``"trainable"`` (parameters with ``requires_grad``, e.g. LoRA adapters on a
+            frozen base), a list of names and prefixes (a prefix ends with ``"."``:
+            ``["lm_head.", "model.norm.weight"]``; one matching no key is an error), or
+            a predicate of the key. None: every key.
         bucket_mb: gathered MiB per collective; peak extra memory is about two buckets.
             Default: 16 on CPU (gloo; bigger buckets only add page faults and stall the
             pipeline, measured in bench/), 256 on CUDA.
@@ -99,7 +106,7 @@ def full_state_dict(
             timeout=timeout,
             transport=transport,
         )
-        plan = build_plan(check_model(model), dtype=dtype)
+        plan = build_plan(check_model(model), dtype=dtype, keys=keys)
         receives = not rank0_only or call.rank == 0
         sink = HostDict(plan, receives=receives, pin_memory=pin_memory)
         outputs = run.gather(call, plan, sink, opts)
@@ -129,6 +136,7 @@ def save_full_state_dict(
     max_shard_size: int | str | None = None,
     files: Mapping[str, Any] | None = None,
     key_map: KeyMap | None = None,
+    keys: KeySelection | None = None,
     bucket_mb: float | None = None,
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -175,6 +183,8 @@ def save_full_state_dict(
             file_prefix}`` (longest prefix wins; e.g. ``{"": "model."}``) or a callable
             from a model key to a file key. The same direction as ``load_full_state_dict``'s
             (from where the tensors come to where they go).
+        keys: store only these keys (as for :func:`shardgather.full_state_dict`):
+            nothing else is moved or written; ``key_map`` then names just these.
         bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
         transport: ``"auto"``: every rank on rank 0's host (the same filesystem)
             pwrites its own pieces into the file(s) in parallel, and ranks on other
@@ -231,7 +241,7 @@ def save_full_state_dict(
     )
     snapshot.settle(model, opts.in_flight)
     with Call("save_full_state_dict", timeout) as call:
-        plan = build_plan(check_model(model), dtype=dtype)
+        plan = build_plan(check_model(model), dtype=dtype, keys=keys)
         options = _file_options(plan, path, metadata, max_shard_size, files, key_map)
         fs = file_set(plan, path, **options)
         sink = Files(fs, what="save_full_state_dict")
@@ -279,8 +289,8 @@ def _stored_names(plan: GatherPlan, key_map: KeyMap | None) -> dict[str, str] | 
     if len(to_model) != len(plan.keys):
         dropped = sorted(set(plan.keys) - set(to_model.values()))
         raise ShardGatherError(
-            f"key_map drops the model's {dropped[:5]}: a saved checkpoint stores every key "
-            "(to leave tensors out, save a plain state dict with safetensors)"
+            f"key_map drops the model's {dropped[:5]}: it names every key it is given; to "
+            "leave keys out, select the others with keys= (e.g. keys='trainable')"
         )
     return {m: f for f, m in to_model.items()}
 
@@ -315,6 +325,7 @@ def load_full_state_dict(
     bucket_mb: float = 64,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     key_map: KeyMap | None = None,
+    keys: KeySelection | None = None,
     transport: str = "auto",
     progress: bool = False,
 ) -> LoadResult:
@@ -345,6 +356,10 @@ def load_full_state_dict(
         key_map: the source's names -> the model's, applied before validation:
             ``{source_prefix: model_prefix}`` (e.g. ``{"model.": ""}`` to load a causal
             LM's file into its inner model) or a callable (None drops a key).
+        keys: load only these of the model's keys (as for
+            :func:`shardgather.full_state_dict`; e.g. an adapter file into a model with a
+            frozen base): the source's other keys are left alone, not unexpected, and
+            ``strict`` asks that every selected key is in the source.
         transport: ``"auto"``: every rank reads its own elements where it can see the
             source, else rank 0 sends them; ``"node-local"`` requires the former;
             ``"collective"`` always has rank 0 send.
@@ -370,12 +385,14 @@ def load_full_state_dict(
                 f"source must be a file path or a dict of tensors, got {type(source).__name__}"
             )
         reshard_for_load(check_model(model))  # else a forward after an evaluation ignores it
-        plan = build_plan(model)
+        whole = build_plan(model)
+        plan = select(whole, keys)
+        others = set(whole.keys) - set(plan.keys)
         what, src, renamed = _open_source(call, source, key_map)
         seen = None  # the shapes this rank validated (rank 0's serve the ranks without)
         if src is not None and src.has:
             seen = src.shapes()
-            L.validate(plan, seen, opts.strict, what, renamed)
+            L.validate(plan, seen, opts.strict, what, renamed, others)
             if opts.transport != Transport.COLLECTIVE:
                 feeds = L.Loading(plan, src)
                 feeds.take(seen)
@@ -388,7 +405,7 @@ def load_full_state_dict(
         result: list[L.LoadResult] = []
 
         def build(shapes: L.Shapes) -> list[L.Loading]:
-            result.append(L.validate(plan, shapes, opts.strict, what, renamed))
+            result.append(L.validate(plan, shapes, opts.strict, what, renamed, others))
             loading = L.Loading(plan, src if seen is not None else None)
             loading.take(shapes)
             return [loading]

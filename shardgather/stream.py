@@ -27,6 +27,7 @@ from ._engine.node_local import Regions
 from ._engine.sinks import HostDict, StreamSink
 from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
 from ._plan import build_plan
+from ._plan.subset import KeySelection
 from .api import with_aliases
 from .errors import CollectiveError, ShardGatherError
 
@@ -41,6 +42,8 @@ class Gatherer:
     Args:
         model: as for :func:`shardgather.full_state_dict`.
         dtype: cast floating-point tensors (fused into the copy-out).
+        keys: only these keys (as for :func:`shardgather.full_state_dict`; e.g.
+            ``"trainable"`` to sync a LoRA policy's adapters): nothing else moves.
         bucket_mb: gathered MiB per collective (default as for full_state_dict).
         rank0_only: only global rank 0 receives (else every rank).
         timeout: the longest any wait may last (see full_state_dict).
@@ -63,6 +66,7 @@ class Gatherer:
         model: nn.Module,
         *,
         dtype: torch.dtype | None = None,
+        keys: KeySelection | None = None,
         bucket_mb: float | None = None,
         rank0_only: bool = True,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -70,6 +74,7 @@ class Gatherer:
         pin_memory: bool = False,
     ) -> None:
         self.model = check_model(model)
+        self.keys = keys
         self.options = Options(
             dtype=dtype,
             bucket_mb=bucket_mb,
@@ -94,7 +99,7 @@ class Gatherer:
         """
         opts = self.options
         with Call("Gatherer.full_state_dict", opts.timeout) as call:
-            plan = build_plan(self.model, dtype=opts.dtype)
+            plan = build_plan(self.model, dtype=opts.dtype, keys=self.keys)
             if self._key != plan.fingerprint:
                 self._outputs, self._key = None, plan.fingerprint
             primaries = None
@@ -162,7 +167,7 @@ class Gatherer:
                     "iter_full_tensors moves buckets: transport='node-local' applies to the "
                     "dict verb; use 'auto' or 'collective'"
                 )
-            plan = build_plan(self.model, dtype=opts.dtype)
+            plan = build_plan(self.model, dtype=opts.dtype, keys=self.keys)
             sink.start(owned)
             try:
                 for key, t in run.stream(call, plan, opts, sink.write_rows, sink.write_whole):
@@ -191,6 +196,7 @@ def iter_full_tensors(
     model: nn.Module,
     *,
     dtype: torch.dtype | None = None,
+    keys: KeySelection | None = None,
     bucket_mb: float | None = None,
     rank0_only: bool = True,
     owned: bool = False,
@@ -206,7 +212,9 @@ def iter_full_tensors(
         >>> for name, tensor in shardgather.iter_full_tensors(model, rank0_only=False):
         ...     engine_param[name].copy_(tensor)
     """
-    g = Gatherer(model, dtype=dtype, bucket_mb=bucket_mb, rank0_only=rank0_only, timeout=timeout)
+    g = Gatherer(
+        model, dtype=dtype, keys=keys, bucket_mb=bucket_mb, rank0_only=rank0_only, timeout=timeout
+    )
     try:
         yield from g.iter_full_tensors(owned=owned, device=device)
     finally:

@@ -50,9 +50,14 @@ class Bucket:
         return self.world * self.row_bytes
 
 
-def build_buckets(sources: list[Source], bucket_bytes: int) -> list[Bucket]:
+def build_buckets(
+    sources: list[Source],
+    bucket_bytes: int,
+    columns: dict[int, list[tuple[int, int]]] | None = None,
+) -> list[Bucket]:
     """Pack gathered sources, in plan order, into buckets of at most ``bucket_bytes``
-    gathered bytes; a source too big for one bucket is split into column chunks."""
+    gathered bytes; a source too big for one bucket is split into column chunks.
+    ``columns``: only these column ranges of each source's rows (a subset plan)."""
     buckets: list[Bucket] = []
     cur: Bucket | None = None
     for src in sources:
@@ -60,27 +65,42 @@ def build_buckets(sources: list[Source], bucket_bytes: int) -> list[Bucket]:
             continue
         row_cap = max(ALIGN, bucket_bytes // src.world // ALIGN * ALIGN)
         itemsize = src.dtype.itemsize
-        col = 0
-        while col < src.row_numel:
-            # Sources of one bucket share their rows: the same ranks in the same order.
-            if cur is None or cur.ranks != src.group_ranks or cur.row_bytes >= row_cap:
-                cur = Bucket(src.group, src.world, src.rank, src.group_ranks, 0, [])
-                buckets.append(cur)
-            room = (row_cap - cur.row_bytes) // itemsize
-            if room <= 0:
-                cur = None
-                continue
-            take = min(room, src.row_numel - col)
-            cur.chunks.append(Chunk(src, col, col + take, cur.row_bytes))
-            cur.row_bytes = align(cur.row_bytes + take * itemsize)
-            col += take
+        for lo, hi in columns[src.index] if columns is not None else [(0, src.row_numel)]:
+            cur = _pack_columns(buckets, cur, src, lo, hi, row_cap, itemsize)
     return buckets
+
+
+def _pack_columns(
+    buckets: list[Bucket],
+    cur: Bucket | None,
+    src: Source,
+    col: int,
+    end: int,
+    row_cap: int,
+    itemsize: int,
+) -> Bucket | None:
+    """Columns ``[col, end)`` of ``src`` into the current bucket and new ones; returns
+    the bucket being filled."""
+    while col < end:
+        # Sources of one bucket share their rows: the same ranks in the same order.
+        if cur is None or cur.ranks != src.group_ranks or cur.row_bytes >= row_cap:
+            cur = Bucket(src.group, src.world, src.rank, src.group_ranks, 0, [])
+            buckets.append(cur)
+        room = (row_cap - cur.row_bytes) // itemsize
+        if room <= 0:
+            cur = None
+            continue
+        take = min(room, end - col)
+        cur.chunks.append(Chunk(src, col, col + take, cur.row_bytes))
+        cur.row_bytes = align(cur.row_bytes + take * itemsize)
+        col += take
+    return cur
 
 
 def my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Bucket]:
     """The buckets this call moves: all of them, or (``rank0_only``) those of the shard
     groups holding global rank 0 (one HSDP replica)."""
-    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20))
+    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20), plan.columns)
     if rank0_only:
         buckets = [b for b in buckets if 0 in b.ranks]
     return buckets

@@ -22,7 +22,7 @@ the source; the **done round** after the data moved.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -164,10 +164,13 @@ def validate(
     strict: bool,
     what: str,
     renamed: Mapping[str, str] | None = None,
+    others: Collection[str] = (),
 ) -> LoadResult:
     """Compare the source's keys/shapes/dtypes with the model before touching anything.
     A tied alias counts as present when its primary is (and vice versa). ``renamed``:
-    model key -> the source's own name, where a key map changed it (errors say both)."""
+    model key -> the source's own name, where a key map changed it (errors say both).
+    ``others``: the model's keys outside a subset plan (``keys=``): the source's copies
+    of them are left alone, not unexpected."""
     renamed = renamed or {}
 
     def named(k: str) -> str:
@@ -180,7 +183,7 @@ def validate(
         if primary in have:
             have.add(alias)
     missing = [k for k in plan.keys if k not in have]
-    unexpected = sorted(set(available) - set(plan.keys))
+    unexpected = sorted(set(available) - set(plan.keys) - set(others))
     mismatched: dict[str, str] = {}
     for key, e in plan.entries.items():
         src_key = source_key(plan, key, available)

@@ -18,6 +18,7 @@ class FlatRef:
     shape: torch.Size
     stride: tuple[int, ...]
     identity: tuple[str, int, int]  # ("fsdp1", id(flat_param), param index): aliases share it
+    requires_grad: bool = False
 
 
 def flat_refs(model: nn.Module, sources: list[Source]) -> dict[tuple[int, str], FlatRef]:
@@ -64,10 +65,15 @@ def flat_refs(model: nn.Module, sources: list[Source]) -> dict[tuple[int, str], 
             pos += numel
         contiguities = getattr(flat, "_contiguities", [True] * len(flat._shapes))
         primary: dict[tuple[int, str], int] = {}
+        # use_orig_params=True keeps the original parameters (each its own requires_grad:
+        # a frozen base and a trainable adapter may share a flat parameter); otherwise
+        # FSDP1 requires one requires_grad per flat parameter.
+        origs = getattr(flat, "_params", None)
         for i, info in enumerate(flat._param_infos):
             shape = torch.Size(flat._shapes[i])
             stride = tuple(flat._strides[i]) if not contiguities[i] else contiguous_stride(shape)
-            ref = FlatRef(src, offsets[i], shape, stride, ("fsdp1", id(flat), i))
+            grad = bool(origs[i].requires_grad if origs is not None else flat.requires_grad)
+            ref = FlatRef(src, offsets[i], shape, stride, ("fsdp1", id(flat), i), grad)
             refs[(id(info.module), info.param_name)] = ref
             primary[(id(info.module), info.param_name)] = i
         for sinfo in flat._shared_param_infos:

@@ -90,6 +90,7 @@ class Entry:
     # Where every row's elements are (flat positions in the rank-major rows), when they
     # are not one run from ``base`` (N-D layouts); see :func:`blocks_of`.
     blocks: tuple[Block, ...] | None = None
+    trainable: bool = False  # a parameter with requires_grad (keys="trainable")
 
     @property
     def numel(self) -> int:
@@ -122,6 +123,9 @@ class GatherPlan:
     # Storage identity -> primary key: ("fsdp1", id(flat_param), index),
     # ("fsdp2", id(FSDPParam)) or ("local", id(tensor)). Optimizer state uses it.
     identities: dict[object, str] = field(default_factory=dict)
+    # Source index -> the column ranges of its rows this plan needs, when it is a subset
+    # (``keys=``) that leaves some of a source's elements out (None: every column).
+    columns: dict[int, list[tuple[int, int]]] | None = None
 
     def entries_by_source(self) -> dict[int, list[Entry]]:
         out: dict[int, list[Entry]] = {}

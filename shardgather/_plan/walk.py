@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import dtensor, fsdp1, fsdp2
+from .subset import KeySelection, select
 from .types import (
     Entry,
     GatherPlan,
@@ -55,12 +56,21 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
         yield from _walk(child_module, f"{prefix}{name}.")
 
 
-def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherPlan:
+def walk_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(clean key prefix, module) for every module, wrappers skipped, in ``state_dict()``
+    order — the names every verb uses."""
+    return _walk(module, "")
+
+
+def build_plan(
+    model: nn.Module, *, dtype: torch.dtype | None = None, keys: KeySelection | None = None
+) -> GatherPlan:
     """Walk ``model`` once and describe every key of its full state dict.
 
     Args:
         model: a plain, DDP-, compiled-, FSDP1- or FSDP2-wrapped module.
         dtype: cast floating-point entries to this dtype (None: keep).
+        keys: only these keys (see :mod:`shardgather._plan.subset`; None: all).
 
     Raises:
         UnsupportedModelError: a parameter is sharded in a way shardgather cannot gather.
@@ -73,18 +83,19 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
     for mod_id, name in flat_refs:
         flat_names.setdefault(mod_id, []).append(name)
 
-    keys: list[str] = []
+    order: list[str] = []  # every key, state_dict() order
     entries: dict[str, Entry] = {}
     aliases: dict[str, str] = {}
     by_identity: dict[object, str] = {}
 
-    def add(key: str, identity: object, make: Callable[[], Entry]) -> None:
-        keys.append(key)
+    def add(key: str, identity: object, make: Callable[[], Entry], trainable: bool) -> None:
+        order.append(key)
         if identity in by_identity:
             aliases[key] = by_identity[identity]
             return
         by_identity[identity] = key
         e = make()
+        e.trainable = trainable
         if dtype is not None and e.dtype.is_floating_point:
             e.out_dtype = dtype
         entries[key] = e
@@ -107,6 +118,7 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
                     lambda ref=ref, key=key: Entry(
                         key, ref.shape, ref.stride, ref.source.dtype, ref.source, ref.base
                     ),
+                    ref.requires_grad,
                 )
                 continue
             p = mod._parameters[name]
@@ -121,9 +133,10 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
                         key, shape, contiguous_stride(shape), src.dtype, src, 0, blocks=blocks
                     )
 
-                add(key, ("fsdp2", id(fp)), make2)
+                add(key, ("fsdp2", id(fp)), make2, bool(fp.sharded_param.requires_grad))
                 continue
-            add(key, ("local", id(p)), lambda p=p, key=key: _tensor_entry(key, p, sources))
+            make = lambda p=p, key=key: _tensor_entry(key, p, sources)  # noqa: E731
+            add(key, ("local", id(p)), make, p.requires_grad)
         for name, b in mod._buffers.items():
             if b is None or name in mod._non_persistent_buffers_set:
                 continue
@@ -136,15 +149,15 @@ def build_plan(model: nn.Module, *, dtype: torch.dtype | None = None) -> GatherP
                     e.out_dtype = orig
                 return e
 
-            add(key, ("local", id(b)), makeb)
+            add(key, ("local", id(b)), makeb, False)
 
     if hooked:
         _warn_state_dict_hooks(hooked)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    plan = GatherPlan(keys, entries, aliases, sources, rank, world, identities=by_identity)
+    plan = GatherPlan(order, entries, aliases, sources, rank, world, identities=by_identity)
     plan.fingerprint = fingerprint(plan)
-    return plan
+    return select(plan, keys)
 
 
 _WARNED_HOOKS: set[tuple[str, ...]] = set()

@@ -1,0 +1,215 @@
+"""PEFT adapters under FSDP: the adapter alone, in PEFT's own format, written and read by
+the one engine with ``keys=`` — nothing of the frozen base is gathered, moved or read.
+
+Which keys belong to an adapter, and under which names PEFT stores them, is PEFT's to
+say (its tuners decide structurally, per method): shardgather asks PEFT's own
+``get_peft_model_state_dict`` once, on placeholders that stand for the model's tensors
+(meta tensors of the right shape, nothing materialised), and maps what comes back to
+the model's keys by identity. The answer is therefore what PEFT gives on the unsharded
+model, for every PEFT method, adapter name and version handling it already does.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import tempfile
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._fqn import clean_fqn
+from ._options import DEFAULT_TIMEOUT, check_model
+from ._plan import build_plan
+from ._plan.walk import walk_modules
+from .api import LoadResult, load_full_state_dict, save_full_state_dict
+from .errors import CheckpointError, ShardGatherError
+
+WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
+CONFIG_NAME = "adapter_config.json"  # PEFT's CONFIG_NAME
+
+
+def adapter_keys(
+    model: nn.Module, adapter_name: str = "default", save_embedding_layers: bool | str = "auto"
+) -> dict[str, str]:
+    """The model's keys that make up adapter ``adapter_name``, each with the name PEFT
+    stores it under: ``{model key: adapter file key}`` (e.g.
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` ->
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``).
+
+    ``model``: a ``PeftModel``, bare or wrapped (FSDP1, FSDP2, DDP, compiled, or inside
+    a LightningModule); the keys are as :func:`shardgather.full_state_dict` names them.
+    No process group is needed and nothing is communicated."""
+    peft_model, prefix = _peft_model(model)
+    from peft.utils.save_and_load import get_peft_model_state_dict
+
+    if adapter_name not in peft_model.peft_config:
+        raise ShardGatherError(
+            f"the model has no adapter {adapter_name!r} (it has "
+            f"{sorted(peft_model.peft_config)}); pass adapter_name="
+        )
+    plan = build_plan(model)
+    raw = _raw_module_names(peft_model)
+    stand_ins: dict[str, torch.Tensor] = {}  # as PEFT names the key -> a placeholder
+    model_key: dict[int, str] = {}  # id(placeholder) -> the model's key
+    for key in plan.keys:
+        if not key.startswith(prefix):
+            continue
+        e = plan.entries[plan.aliases.get(key, key)]
+        module, _, leaf = key[len(prefix) :].rpartition(".")
+        name = f"{raw.get(module, module)}.{leaf}" if module else leaf
+        t = torch.empty(e.shape, dtype=e.dtype, device="meta")
+        stand_ins[name] = t
+        model_key[id(t)] = key
+    chosen = get_peft_model_state_dict(
+        peft_model,
+        state_dict=stand_ins,
+        adapter_name=adapter_name,
+        save_embedding_layers=save_embedding_layers,
+    )
+    out: dict[str, str] = {}
+    for stored, t in chosen.items():
+        key = model_key.get(id(t))
+        if key is None:  # a tensor PEFT made itself (prompt learning): not ours to move
+            raise ShardGatherError(
+                f"PEFT's adapter holds {stored!r}, which is not a tensor of the model's "
+                f"state dict ({peft_model.peft_config[adapter_name].peft_type}): shardgather "
+                "exports adapters whose weights are model parameters (LoRA and the other "
+                "tuners that inject layers); save prompt-learning adapters with PEFT"
+            )
+        out[key] = clean_fqn(stored)
+    if not out:
+        raise ShardGatherError(f"adapter {adapter_name!r} holds no tensor of the model")
+    return out
+
+
+def save_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    adapter_name: str = "default",
+    dtype: torch.dtype | None = None,
+    save_embedding_layers: bool | str = "auto",
+    progress: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> None:
+    """Write adapter ``adapter_name`` of a (sharded) PEFT model as PEFT's
+    ``save_pretrained`` does: ``path/adapter_model.safetensors`` (the tensors of
+    ``get_peft_model_state_dict`` on the unsharded model, bit-exact, under its names)
+    and ``path/adapter_config.json`` — loadable by ``PeftModel.from_pretrained`` and
+    :func:`load_adapter`.
+
+    Call on every rank. Only the adapter's elements move: every rank writes its own
+    pieces of them (FSDP1 flat parameters that also hold the frozen base are gathered
+    only in the adapter's columns), so a 200 MB adapter of a 70B model moves 200 MB —
+    and every rank's slice of it is in the file (the bug this replaces kept rank 0's).
+
+    Args:
+        model: a ``PeftModel``, bare or wrapped (see :func:`adapter_keys`).
+        path: the directory to write (created; its other files are kept).
+        adapter_name: which adapter (PEFT's default ``"default"``).
+        dtype: cast floating-point tensors (e.g. ``torch.bfloat16``).
+        save_embedding_layers: as PEFT's ``save_pretrained`` (``"auto"``: embedding
+            layers too when they are adapter targets or were resized).
+        progress, timeout, transport: as for :func:`shardgather.save_full_state_dict`.
+    """
+    names = adapter_keys(model, adapter_name, save_embedding_layers)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    save_full_state_dict(
+        model,
+        os.path.join(path, WEIGHTS_NAME),
+        keys=list(names),
+        key_map=names.__getitem__,
+        dtype=dtype,
+        metadata={"format": "pt"},  # what PEFT writes
+        progress=progress,
+        timeout=timeout,
+        transport=transport,
+    )
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _write_config(_peft_model(model)[0], adapter_name, path)
+
+
+def load_adapter(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    adapter_name: str = "default",
+    strict: bool = True,
+    save_embedding_layers: bool | str = "auto",
+    progress: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    transport: str = "auto",
+) -> LoadResult:
+    """Load an adapter file (a directory ``save_pretrained``/:func:`save_adapter` wrote,
+    or its ``adapter_model.safetensors``) into adapter ``adapter_name`` of a (sharded)
+    PEFT model, in place: every rank reads only its own elements of the adapter's
+    tensors; the base is not touched.
+
+    ``strict``: every tensor of the adapter must be in the file and every tensor of the
+    file must belong to the adapter (else ``StateDictMismatchError``, nothing loaded);
+    False loads those that match and returns the rest in the ``LoadResult``."""
+    names = adapter_keys(model, adapter_name, save_embedding_layers)
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, WEIGHTS_NAME)
+    to_model = {stored: key for key, stored in names.items()}
+    return load_full_state_dict(
+        model,
+        path,
+        keys=list(names),
+        key_map=lambda stored: to_model.get(stored, stored),
+        strict=strict,
+        progress=progress,
+        timeout=timeout,
+        transport=transport,
+    )
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _peft_model(model: nn.Module) -> tuple[Any, str]:
+    """The ``PeftModel`` inside ``model`` (wrappers skipped) and its key prefix."""
+    check_model(model)
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ShardGatherError("adapters need peft (pip install peft)") from None
+    for prefix, module in walk_modules(model):
+        if isinstance(module, PeftModel):
+            return module, prefix
+    raise ShardGatherError(
+        f"no PeftModel in the {type(model).__name__} given (build it with "
+        "peft.get_peft_model(base, config) before sharding; export a plain model's "
+        "subset with keys= instead)"
+    )
+
+
+def _raw_module_names(peft_model: nn.Module) -> dict[str, str]:
+    """Clean module name -> the name PEFT sees in ``peft_model.named_modules()`` (FSDP1
+    and activation-checkpoint wrappers in between; PEFT strips only a leading
+    ``_fsdp_wrapped_module.``), so PEFT's structural prefixes match the placeholders."""
+    out: dict[str, str] = {}
+    for name, _ in peft_model.named_modules():
+        out.setdefault(clean_fqn(name), name.removeprefix("_fsdp_wrapped_module."))
+    return out
+
+
+def _write_config(peft_model: Any, adapter_name: str, path: str) -> None:
+    """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (inference
+    mode on), replaced in one step."""
+    config = copy.deepcopy(peft_model.peft_config[adapter_name])
+    config.inference_mode = True
+    with tempfile.TemporaryDirectory(dir=path, prefix=".adapter-config-") as tmp:
+        try:
+            config.save_pretrained(tmp)
+            os.replace(os.path.join(tmp, CONFIG_NAME), os.path.join(path, CONFIG_NAME))
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot write {CONFIG_NAME} ({exc})") from None

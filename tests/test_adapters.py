@@ -1,0 +1,190 @@
+"""LoRA adapters under FSDP (issue 28), with the real peft and transformers: a tiny Llama
+with LoRA on attention and MLP, sharded by FSDP1 (``use_orig_params=True``, the frozen
+base and the trainable adapter in one flat parameter per layer) and FSDP2, 2 ranks, CPU.
+
+The oracle is PEFT's own ``get_peft_model_state_dict`` of the unsharded model holding the
+trained values (torch's full state dict of the sharded one, loaded into a plain copy)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import shardgather as sg
+from shardgather import _dist
+
+from . import dist_harness
+from .compare import diff_state_dicts
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft_llama(seed: int):  # type: ignore[no-untyped-def]
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM(config)
+    lora = LoraConfig(r=2, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    return get_peft_model(base, lora), config
+
+
+def _shard(model, kind: str):  # type: ignore[no-untyped-def]
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+            use_orig_params=True,  # frozen base + trainable adapter in one flat param
+            device_id=torch.device("cpu"),
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _train_step(model, rank: int) -> None:  # type: ignore[no-untyped-def]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    batch = torch.randint(0, 64, (2, 8), generator=g)
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+
+
+def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type: ignore[type-arg]
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    out: dict = {"problems": []}
+    bad = out["problems"]
+    pm, config = _peft_llama(seed=0)
+    plain = copy.deepcopy(pm)
+    model = _shard(pm, kind)
+    _train_step(model, rank)
+
+    # The oracle: torch's own full state dict, in a plain copy, asked of PEFT.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    plain.load_state_dict(full)
+    want = get_peft_model_state_dict(plain)
+    names = sg.adapter_keys(model)
+    if sorted(names.values()) != sorted(want):
+        bad.append(f"adapter_keys {sorted(names.values())[:3]} vs PEFT {sorted(want)[:3]}")
+    trainable = sg.full_state_dict(model, keys="trainable")
+    if rank == 0 and sorted(trainable) != sorted(names):
+        bad.append("keys='trainable' is not the adapter")
+
+    # Adapter-only export, by every transport, bit-exact for every rank's slice.
+    for transport in ("auto", "collective"):
+        d = os.path.join(tmp, f"{kind}-{transport}")
+        before = dict(_dist.STATS)
+        sg.save_adapter(model, d, transport=transport)
+        moved = _dist.STATS["bytes_received"] - before["bytes_received"]
+        if rank == 0:
+            got = load_file(os.path.join(d, "adapter_model.safetensors"))
+            bad += [f"{transport}: {p}" for p in diff_state_dicts(got, want)]
+            out[f"received_{transport}"] = moved
+    if rank == 0:
+        out["adapter_bytes"] = sum(t.numel() * t.element_size() for t in want.values())
+        out["model_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+        if kind == "fsdp2":
+            # What the ecosystem's bug wrote (each rank's local slice): this test catches it.
+            naive = {
+                names[k]: p.to_local().detach()
+                for k, p in zip(names, [model.get_parameter(k) for k in names])
+            }
+            out["naive_caught"] = bool(diff_state_dicts(naive, want))
+        # PEFT itself loads the export into the plain architecture.
+        torch.manual_seed(7)
+        loaded = PeftModel.from_pretrained(
+            LlamaForCausalLM(config), os.path.join(tmp, f"{kind}-auto")
+        )
+        bad += [
+            "from_pretrained: " + p
+            for p in diff_state_dicts(get_peft_model_state_dict(loaded), want)
+        ]
+
+    # Load the adapter into a differently initialised sharded model: the adapter's
+    # elements change (each rank reading its own), the base does not.
+    fresh_pm, _ = _peft_llama(seed=3)
+    fresh = _shard(fresh_pm, kind)
+    base_before = sg.full_state_dict(fresh, keys=lambda k: k not in names)
+    result = sg.load_adapter(fresh, os.path.join(tmp, f"{kind}-auto"))
+    out["load_result"] = [list(result.missing_keys), list(result.unexpected_keys)]
+    after = sg.full_state_dict(fresh)
+    if rank == 0:
+        got_adapter = {names[k]: after[k] for k in names}
+        bad += ["load_adapter: " + p for p in diff_state_dicts(got_adapter, want)]
+        base_after = {k: v for k, v in after.items() if k not in names}
+        bad += ["base changed: " + p for p in diff_state_dicts(base_after, base_before)]
+    # A file missing a tensor is refused before anything changes.
+    partial = os.path.join(tmp, f"{kind}-partial.safetensors")
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(dict(list(want.items())[1:]), partial)
+    torch.distributed.barrier()
+    try:
+        sg.load_adapter(fresh, partial)
+        bad.append("a partial adapter file loaded")
+    except sg.StateDictMismatchError as exc:
+        out["partial_error"] = str(exc)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_adapter_export_and_load_bit_exact(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    res = dist_harness.run(
+        "tests.test_adapters:adapter_worker", 2, kind=kind, tmp=str(tmp_path), timeout=300
+    )
+    for r in res:
+        assert r["problems"] == []
+        assert r["load_result"] == [[], []]
+        assert "missing keys" in r["partial_error"] and "Nothing was loaded" in r["partial_error"]
+    r0 = res[0]
+    # Only the adapter's bytes move: by point-to-point messages (the collective
+    # transport) rank 0 receives the other rank's half of the adapter (plus the 16-byte
+    # alignment of each chunk), never the frozen base that shares its flat parameters.
+    assert r0["adapter_bytes"] * 10 < r0["model_bytes"]  # a real adapter: a small part
+    assert 0 < r0["received_collective"] <= r0["adapter_bytes"] + 16 * 64
+    assert r0["received_auto"] == 0  # one host: rank 1 writes its own pieces
+    if kind == "fsdp2":
+        assert r0["naive_caught"]
+
+
+def test_adapter_keys_match_peft_on_a_plain_model() -> None:
+    from peft import get_peft_model_state_dict
+
+    pm, _ = _peft_llama(seed=0)
+    names = sg.adapter_keys(pm)
+    want = get_peft_model_state_dict(pm)
+    assert sorted(names.values()) == sorted(want)
+    got = sg.full_state_dict(pm, keys=list(names))
+    assert diff_state_dicts({names[k]: v for k, v in got.items()}, want) == []
+    with pytest.raises(sg.ShardGatherError, match="no adapter 'other'"):
+        sg.adapter_keys(pm, "other")
+    with pytest.raises(sg.ShardGatherError, match="no PeftModel"):
+        sg.adapter_keys(pm.base_model.model)
