@@ -95,6 +95,14 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
     trainable = sg.full_state_dict(model, keys="trainable")
     if rank == 0 and sorted(trainable) != sorted(names):
         bad.append("keys='trainable' is not the adapter")
+    # The weight stream of a LoRA policy: the adapter alone.
+    streamed = dict(sg.iter_full_tensors(model, keys="trainable", owned=True))
+    if rank == 0:
+        got = {names[k]: v for k, v in streamed.items()}
+        if sorted(got) != sorted(want):
+            bad.append(f"stream keys {sorted(got)[:3]}...")
+        ordered = {k: got[k] for k in want if k in got}  # the stream goes bucket by bucket
+        bad += ["stream: " + p for p in diff_state_dicts(ordered, want)]
 
     # Adapter-only export, by every transport, bit-exact for every rank's slice.
     for transport in ("auto", "collective"):

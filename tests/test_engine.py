@@ -25,6 +25,7 @@ from shardgather._engine.pieces import Rows, message_size, messages, pieces_of, 
 from shardgather._engine.remote import pack_message
 from shardgather._engine.sinks import Files, HostDict, file_set
 from shardgather._plan import own_blocks
+from shardgather._plan.subset import select
 
 from . import fake_plans
 from .fake_plans import Sharded
@@ -86,7 +87,7 @@ def _gather_in_process(s: Sharded, bucket_bytes: int) -> dict[str, torch.Tensor]
     for e in plan0.entries.values():
         if e.source.group is None:
             sink.write_whole(e)
-    per_rank = [build_buckets(p.sources, bucket_bytes) for p in s.plans]
+    per_rank = [build_buckets(p.sources, bucket_bytes, p.columns) for p in s.plans]
     by_source = plan0.entries_by_source()
     for i, b in enumerate(per_rank[0]):
         rows = torch.zeros(b.world, b.row_bytes, dtype=torch.uint8)
@@ -124,6 +125,37 @@ def test_buckets_and_parts_deliver_every_element(layout, shapes, world, bucket_b
     for key, e in plan.entries.items():
         if e.source.group is not None:
             assert counts[key] == e.numel, key
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    shapes=SHAPES,
+    world=st.integers(1, 4),
+    bucket_bytes=st.sampled_from([16, 48, 4096]),
+    data=st.data(),
+)
+def test_a_subset_gathers_its_keys_from_their_columns_only(
+    layout, shapes, world, bucket_bytes, data
+) -> None:  # type: ignore[no-untyped-def]
+    """keys=: every rank selects the same keys; the buckets carry only the columns the
+    kept entries occupy (an adapter's, not the flat parameter around it) and deliver
+    each kept key bit-exactly."""
+    s = LAYOUTS[layout](shapes, world)
+    keys = data.draw(st.lists(st.sampled_from(s.plans[0].keys), min_size=1, unique=True))
+    sub = Sharded([select(p, keys) for p in s.plans], s.fulls, s.world)
+    got = _gather_in_process(sub, bucket_bytes)
+    assert sorted(got) == sorted(keys)
+    for key in keys:
+        assert torch.equal(got[key], s.fulls[key]), key
+    plan, subplan = s.plans[0], sub.plans[0]
+    whole = build_buckets(plan.sources, bucket_bytes)
+    part = build_buckets(subplan.sources, bucket_bytes, subplan.columns)
+    slack = sum(16 * b.world * len(b.chunks) for b in part)  # each chunk's alignment
+    assert sum(b.nbytes for b in part) <= sum(b.nbytes for b in whole) + slack
+    kept = sum(e.numel * e.dtype.itemsize for e in subplan.entries.values() if e.source.group)
+    if not kept:
+        assert part == []
 
 
 @settings(max_examples=60, deadline=None)
