@@ -5,6 +5,8 @@ there — its FSDP plugin needs GPUs, and the recipe is the same):
     torchrun --standalone --nproc_per_node 2 examples/accelerate_prepare.py /tmp/sg-accelerate
 """
 
+import os
+
 from _setup import finish, same, start, tiny_llama
 
 start()
@@ -17,6 +19,11 @@ def build_model():  # type: ignore[no-untyped-def]
 
 tokens = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
 data = torch.utils.data.DataLoader(tokens, batch_size=2)  # your data
+
+# What `accelerate launch --cpu` sets: without it Accelerate on a machine with no GPU
+# runs every process alone (DistributedType.NO: no DDP, ranks training apart). On GPUs
+# leave it out.
+os.environ["ACCELERATE_USE_CPU"] = "1"
 
 # --- README block: Accelerate, verbatim ---
 import torch
@@ -37,7 +44,7 @@ sg.save_full_state_dict(model, "model.safetensors")  # = accelerator.get_state_d
 # --- end of the block ---
 
 want = accelerator.get_state_dict(model)
-ok = extra == {"step": step}
+ok = extra == {"step": step} and accelerator.num_processes == 2  # really DDP
 if accelerator.is_main_process:
     ok = ok and same(sg.load_file("model.safetensors"), want)
 finish(ok, "accelerate_prepare")

@@ -25,8 +25,7 @@ pytest.importorskip("transformers")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _peft_llama(seed: int):  # type: ignore[no-untyped-def]
-    from peft import LoraConfig, get_peft_model
+def _llama(seed: int):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -38,7 +37,13 @@ def _peft_llama(seed: int):  # type: ignore[no-untyped-def]
         num_key_value_heads=2,
     )
     torch.manual_seed(seed)
-    base = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config), config
+
+
+def _peft_llama(seed: int):  # type: ignore[no-untyped-def]
+    from peft import LoraConfig, get_peft_model
+
+    base, config = _llama(seed)
     lora = LoraConfig(r=2, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
     return get_peft_model(base, lora), config
 
@@ -183,16 +188,51 @@ def test_adapter_export_and_load_bit_exact(kind: str, tmp_path) -> None:  # type
         assert r0["naive_caught"]
 
 
-def test_adapter_keys_match_peft_on_a_plain_model() -> None:
-    from peft import get_peft_model_state_dict
+def _config(method: str):  # type: ignore[no-untyped-def]
+    from peft import IA3Config, LoraConfig, PromptTuningConfig
 
-    pm, _ = _peft_llama(seed=0)
+    if method == "ia3":
+        return IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+        )
+    if method == "prompt":
+        return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    extra = {
+        "lora": {},
+        "rslora": {"use_rslora": True},
+        "dora": {"use_dora": True},
+        "modules_to_save": {"modules_to_save": ["lm_head"]},
+    }[method]
+    return LoraConfig(r=2, target_modules=TARGETS, init_lora_weights=False, **extra)
+
+
+@pytest.mark.parametrize("method", ["lora", "rslora", "dora", "ia3", "modules_to_save"])
+def test_adapter_keys_match_peft_on_a_plain_model(method: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """PEFT's own selection and names, for each method whose weights are parameters."""
+    from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    base, config = _llama(seed=0)
+    pm = get_peft_model(base, _config(method))
     names = sg.adapter_keys(pm)
     want = get_peft_model_state_dict(pm)
     assert sorted(names.values()) == sorted(want)
     got = sg.full_state_dict(pm, keys=list(names))
-    assert diff_state_dicts({names[k]: v for k, v in got.items()}, want) == []
+    assert diff_state_dicts({names[k]: got[k] for k in names}, want) == []
+    sg.save_adapter(pm, tmp_path / "a")
+    torch.manual_seed(9)
+    loaded = PeftModel.from_pretrained(LlamaForCausalLM(config), tmp_path / "a")
+    assert diff_state_dicts(get_peft_model_state_dict(loaded), want) == []
+
+
+def test_adapter_errors_say_what_to_do() -> None:
+    from peft import get_peft_model
+
+    pm, _ = _peft_llama(seed=0)
     with pytest.raises(sg.ShardGatherError, match="no adapter 'other'"):
         sg.adapter_keys(pm, "other")
     with pytest.raises(sg.ShardGatherError, match="no PeftModel"):
         sg.adapter_keys(pm.base_model.model)
+    prompt = get_peft_model(_llama(seed=0)[0], _config("prompt"))
+    with pytest.raises(sg.ShardGatherError, match="prompt-learning"):
+        sg.adapter_keys(prompt)
