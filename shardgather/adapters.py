@@ -15,6 +15,7 @@ import copy
 import datetime
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,10 +23,11 @@ from torch import nn
 
 from ._fqn import clean_fqn
 from ._options import DEFAULT_TIMEOUT, check_model
-from ._plan import build_plan
+from ._plan import GatherPlan, build_plan
+from ._plan.merge import merged
 from ._plan.walk import walk_modules
-from .api import LoadResult, load_full_state_dict, save_full_state_dict
-from .errors import CheckpointError, ShardGatherError
+from .api import LoadResult, full_state_dict, load_full_state_dict, save_full_state_dict
+from .errors import CheckpointError, ShardGatherError, UnsupportedModelError
 
 WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
 CONFIG_NAME = "adapter_config.json"  # PEFT's CONFIG_NAME
@@ -170,6 +172,111 @@ def load_adapter(
         timeout=timeout,
         transport=transport,
     )
+
+
+# ------------------------------------------------------------------------------- merged
+
+
+def merging(
+    model: nn.Module, adapter_name: str, timeout: datetime.timedelta
+) -> Callable[[GatherPlan], GatherPlan]:
+    """What ``merge_adapter=`` does to a verb's plan: every LoRA layer's base weight
+    becomes ``W + scaling * (B @ A)`` — PEFT's ``merge_and_unload`` — computed by each
+    rank for its own elements of ``W`` (the rows of ``B @ A`` they cover, nothing
+    more), adapter tensors dropped, keys the base model's (PEFT's prefix and
+    ``.base_layer`` gone). Collective: every rank receives ``A`` and ``B`` whole first
+    (an adapter's size). Call before the verb's own call starts."""
+    peft_model, prefix = _peft_model(model)
+    layers = _lora_layers(model, peft_model, adapter_name)
+    factors = full_state_dict(
+        model,
+        keys=[k for layer in layers for k in (layer.a_key, layer.b_key)],
+        rank0_only=False,
+        timeout=timeout,
+    )
+    drop: set[str] = set()
+    for name in peft_model.peft_config:
+        drop.update(adapter_keys(model, name, save_embedding_layers=False))
+    deltas = {layer.weight_key: layer.delta(factors) for layer in layers}
+    inner = prefix + "base_model.model."  # PeftModel -> LoraModel -> the base model
+    bases = {layer.module for layer in layers}
+
+    def rename(key: str) -> str:
+        head, sep, tail = key.rpartition("base_layer.")
+        if sep and head in bases:
+            key = head + tail
+        return prefix + key[len(inner) :] if key.startswith(inner) else key
+
+    return lambda plan: merged(plan, deltas, drop, rename)
+
+
+class _Lora:
+    """One LoRA ``nn.Linear``: where its tensors are and its scaling (rsLoRA's too)."""
+
+    def __init__(self, module: str, adapter_name: str, scaling: float) -> None:
+        self.module = module  # clean key prefix of the LoRA layer, with its dot
+        self.weight_key = module + "base_layer.weight"
+        self.a_key = f"{module}lora_A.{adapter_name}.weight"
+        self.b_key = f"{module}lora_B.{adapter_name}.weight"
+        self.scaling = scaling
+
+    def delta(self, factors: dict[str, torch.Tensor]) -> Callable[[int, int], torch.Tensor]:
+        a, b = factors[self.a_key], factors[self.b_key]
+        scaling = self.scaling
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            # PEFT's get_delta_weight: (B @ A) * scaling, in float32 (as it does on the
+            # CPU for 16-bit weights). Rows of a product are the product of the rows,
+            # bit for bit: each element is the same length-r dot product.
+            return (b[r0:r1].float() @ a.float()) * scaling
+
+        return rows
+
+
+def _lora_layers(model: nn.Module, peft_model: Any, adapter_name: str) -> list[_Lora]:
+    """Every LoRA layer of ``adapter_name``, or UnsupportedModelError for what a merge
+    here does not cover (each names the layer and says what to do)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    if adapter_name not in peft_model.peft_config:
+        raise ShardGatherError(
+            f"the model has no adapter {adapter_name!r} (it has "
+            f"{sorted(peft_model.peft_config)}); pass merge_adapter="
+        )
+    kind = str(peft_model.peft_config[adapter_name].peft_type)
+    if not kind.endswith("LORA"):
+        raise UnsupportedModelError(
+            f"merge_adapter={adapter_name!r}: a {kind} adapter; merged exports cover LoRA "
+            "(and rsLoRA). Export the adapter with save_adapter() and merge with PEFT"
+        )
+    out: list[_Lora] = []
+    for name, mod in walk_modules(model):
+        why = None
+        if isinstance(mod, AuxiliaryTrainingWrapper):
+            why = "modules_to_save / trainable tokens"
+        elif isinstance(mod, LoraLayer) and adapter_name in mod.lora_A:
+            if not isinstance(mod.get_base_layer(), nn.Linear):
+                why = f"LoRA on a {type(mod.get_base_layer()).__name__} (only nn.Linear)"
+            elif mod.use_dora.get(adapter_name):
+                why = "DoRA (its merge renormalises every column)"
+            elif getattr(mod, "fan_in_fan_out", False):
+                why = "fan_in_fan_out (Conv1D) weights"
+            elif getattr(mod, "lora_bias", {}).get(adapter_name):
+                why = "lora_bias"
+            else:
+                out.append(_Lora(name, adapter_name, float(mod.scaling[adapter_name])))
+        elif isinstance(mod, LoraLayer) and adapter_name in getattr(mod, "lora_embedding_A", {}):
+            why = "LoRA on an embedding"
+        if why is not None:
+            raise UnsupportedModelError(
+                f"merge_adapter={adapter_name!r}: {name.rstrip('.') or '<root>'} has {why}, "
+                "which a merged export does not cover. Export the adapter with "
+                "save_adapter() and merge with PEFT's merge_and_unload() on a full copy"
+            )
+    if not out:
+        raise ShardGatherError(f"adapter {adapter_name!r} has no LoRA layer to merge")
+    return out
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ def full_state_dict(
     rank0_only: bool = True,
     dtype: torch.dtype | None = None,
     keys: KeySelection | None = None,
+    merge_adapter: str | None = None,
     bucket_mb: float | None = None,
     pin_memory: bool = False,
     progress: bool = False,
@@ -64,6 +65,14 @@ def full_state_dict(
             frozen base), a list of names and prefixes (a prefix ends with ``"."``:
             ``["lm_head.", "model.norm.weight"]``; one matching no key is an error), or
             a predicate of the key. None: every key.
+        merge_adapter: the PEFT LoRA adapter (e.g. ``"default"``) to merge into the
+            base weights, as PEFT's ``merge_and_unload()``: ``W + scaling * (B @ A)``
+            computed by each rank for its own elements of ``W`` (in float32, cast after),
+            adapter tensors left out, keys the base model's. Bit-exact with PEFT for
+            float32 weights; 16-bit weights are merged in float32 and rounded once
+            (PEFT also rounds the delta and the sum in 16 bits: the two differ by those
+            roundings). LoRA and rsLoRA on ``nn.Linear``; anything else is refused by
+            name.
         bucket_mb: gathered MiB per collective; peak extra memory is about two buckets.
             Default: 16 on CPU (gloo; bigger buckets only add page faults and stall the
             pipeline, measured in bench/), 256 on CUDA.
@@ -96,6 +105,7 @@ def full_state_dict(
         >>> if dist.get_rank() == 0:
         ...     plain_model.load_state_dict(sd)
     """
+    merge = merge_transform(model, merge_adapter, keys, timeout)
     with Call("full_state_dict", timeout) as call:
         opts = Options(
             dtype=dtype,
@@ -106,11 +116,28 @@ def full_state_dict(
             timeout=timeout,
             transport=transport,
         )
-        plan = build_plan(check_model(model), dtype=dtype, keys=keys)
+        plan = merge(build_plan(check_model(model), dtype=dtype, keys=keys))
         receives = not rank0_only or call.rank == 0
         sink = HostDict(plan, receives=receives, pin_memory=pin_memory)
         outputs = run.gather(call, plan, sink, opts)
     return with_aliases(plan, outputs)
+
+
+def merge_transform(
+    model: nn.Module,
+    merge_adapter: str | None,
+    keys: KeySelection | None,
+    timeout: datetime.timedelta,
+) -> Callable[[GatherPlan], GatherPlan]:
+    """The plan transform ``merge_adapter=`` asks for (collective: call on every rank
+    before the verb's own call), or the identity."""
+    if merge_adapter is None:
+        return lambda plan: plan
+    if keys is not None:
+        raise ShardGatherError("merge_adapter= writes the whole merged model: leave keys= out")
+    from .adapters import merging
+
+    return merging(model, merge_adapter, timeout)
 
 
 def release_staging() -> None:
@@ -137,6 +164,7 @@ def save_full_state_dict(
     files: Mapping[str, Any] | None = None,
     key_map: KeyMap | None = None,
     keys: KeySelection | None = None,
+    merge_adapter: str | None = None,
     bucket_mb: float | None = None,
     progress: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -185,6 +213,9 @@ def save_full_state_dict(
             (from where the tensors come to where they go).
         keys: store only these keys (as for :func:`shardgather.full_state_dict`):
             nothing else is moved or written; ``key_map`` then names just these.
+        merge_adapter: write the base model with this PEFT LoRA adapter merged in (as
+            for :func:`shardgather.full_state_dict`): a ``from_pretrained``-able
+            checkpoint of the base architecture (with ``max_shard_size``/``files``).
         bucket_mb, progress, timeout: as for :func:`shardgather.full_state_dict`.
         transport: ``"auto"``: every rank on rank 0's host (the same filesystem)
             pwrites its own pieces into the file(s) in parallel, and ranks on other
@@ -239,9 +270,12 @@ def save_full_state_dict(
         max_snapshot_mb=max_snapshot_mb,
         write_mb_per_s=write_mb_per_s,
     )
+    if merge_adapter is not None and not blocking:
+        raise ShardGatherError("merge_adapter= saves block: pass blocking=True")
     snapshot.settle(model, opts.in_flight)
+    merge = merge_transform(model, merge_adapter, keys, timeout)
     with Call("save_full_state_dict", timeout) as call:
-        plan = build_plan(check_model(model), dtype=dtype, keys=keys)
+        plan = merge(build_plan(check_model(model), dtype=dtype, keys=keys))
         options = _file_options(plan, path, metadata, max_shard_size, files, key_map)
         fs = file_set(plan, path, **options)
         sink = Files(fs, what="save_full_state_dict")

@@ -28,7 +28,7 @@ from ._engine.sinks import HostDict, StreamSink
 from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
 from ._plan import build_plan
 from ._plan.subset import KeySelection
-from .api import with_aliases
+from .api import merge_transform, with_aliases
 from .errors import CollectiveError, ShardGatherError
 
 
@@ -44,6 +44,9 @@ class Gatherer:
         dtype: cast floating-point tensors (fused into the copy-out).
         keys: only these keys (as for :func:`shardgather.full_state_dict`; e.g.
             ``"trainable"`` to sync a LoRA policy's adapters): nothing else moves.
+        merge_adapter: the base weights with this PEFT LoRA adapter merged in (as for
+            :func:`shardgather.full_state_dict`): a LoRA policy synced into an engine
+            that serves the base architecture.
         bucket_mb: gathered MiB per collective (default as for full_state_dict).
         rank0_only: only global rank 0 receives (else every rank).
         timeout: the longest any wait may last (see full_state_dict).
@@ -67,6 +70,7 @@ class Gatherer:
         *,
         dtype: torch.dtype | None = None,
         keys: KeySelection | None = None,
+        merge_adapter: str | None = None,
         bucket_mb: float | None = None,
         rank0_only: bool = True,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -75,6 +79,7 @@ class Gatherer:
     ) -> None:
         self.model = check_model(model)
         self.keys = keys
+        self.merge_adapter = merge_adapter
         self.options = Options(
             dtype=dtype,
             bucket_mb=bucket_mb,
@@ -98,8 +103,9 @@ class Gatherer:
             its tensors overwritten in place: copy what you must keep.
         """
         opts = self.options
+        merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
         with Call("Gatherer.full_state_dict", opts.timeout) as call:
-            plan = build_plan(self.model, dtype=opts.dtype, keys=self.keys)
+            plan = merge(build_plan(self.model, dtype=opts.dtype, keys=self.keys))
             if self._key != plan.fingerprint:
                 self._outputs, self._key = None, plan.fingerprint
             primaries = None
@@ -161,13 +167,14 @@ class Gatherer:
         if self._sink.device != device:
             self._sink = StreamSink(device)
         sink = self._sink
+        merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
         with Call("iter_full_tensors", opts.timeout) as call:
             if opts.transport == Transport.NODE_LOCAL:
                 raise ShardGatherError(
                     "iter_full_tensors moves buckets: transport='node-local' applies to the "
                     "dict verb; use 'auto' or 'collective'"
                 )
-            plan = build_plan(self.model, dtype=opts.dtype, keys=self.keys)
+            plan = merge(build_plan(self.model, dtype=opts.dtype, keys=self.keys))
             sink.start(owned)
             try:
                 for key, t in run.stream(call, plan, opts, sink.write_rows, sink.write_whole):
@@ -197,6 +204,7 @@ def iter_full_tensors(
     *,
     dtype: torch.dtype | None = None,
     keys: KeySelection | None = None,
+    merge_adapter: str | None = None,
     bucket_mb: float | None = None,
     rank0_only: bool = True,
     owned: bool = False,
@@ -213,7 +221,13 @@ def iter_full_tensors(
         ...     engine_param[name].copy_(tensor)
     """
     g = Gatherer(
-        model, dtype=dtype, keys=keys, bucket_mb=bucket_mb, rank0_only=rank0_only, timeout=timeout
+        model,
+        dtype=dtype,
+        keys=keys,
+        merge_adapter=merge_adapter,
+        bucket_mb=bucket_mb,
+        rank0_only=rank0_only,
+        timeout=timeout,
     )
     try:
         yield from g.iter_full_tensors(owned=owned, device=device)

@@ -139,6 +139,24 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
             for p in diff_state_dicts(get_peft_model_state_dict(loaded), want)
         ]
 
+    # The merged model (PEFT's merge_and_unload), each rank merging its own elements:
+    # as a dict, as a from_pretrained-able directory, as a stream.
+    merged_want = copy.deepcopy(plain).merge_and_unload().state_dict()
+    merged = sg.full_state_dict(model, merge_adapter="default")
+    merged_dir = os.path.join(tmp, f"{kind}-merged")
+    sg.save_full_state_dict(
+        model, merged_dir + "/", merge_adapter="default", files={"config.json": config.to_dict()}
+    )
+    stream = dict(sg.iter_full_tensors(model, merge_adapter="default", owned=True))
+    if rank == 0:
+        bad += ["merged: " + p for p in diff_state_dicts(merged, merged_want)]
+        hf = LlamaForCausalLM.from_pretrained(merged_dir)
+        bad += [
+            "merged from_pretrained: " + p for p in diff_state_dicts(hf.state_dict(), merged_want)
+        ]
+        ordered = {k: stream[k] for k in merged_want if k in stream}
+        bad += ["merged stream: " + p for p in diff_state_dicts(ordered, merged_want)]
+
     # Load the adapter into a differently initialised sharded model: the adapter's
     # elements change (each rank reading its own), the base does not.
     fresh_pm, _ = _peft_llama(seed=3)
@@ -236,3 +254,55 @@ def test_adapter_errors_say_what_to_do() -> None:
     prompt = get_peft_model(_llama(seed=0)[0], _config("prompt"))
     with pytest.raises(sg.ShardGatherError, match="prompt-learning"):
         sg.adapter_keys(prompt)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_merged_export_matches_merge_and_unload(rslora: bool) -> None:
+    """float32: bit-exact with PEFT (the same products, rows of B @ A being the rows of
+    the product). bfloat16: shardgather merges in float32 and rounds once; PEFT rounds
+    the delta to bf16 and adds in bf16 — apart by at most those roundings."""
+    from peft import LoraConfig, get_peft_model
+
+    base, _ = _llama(seed=0)
+    config = LoraConfig(r=2, lora_alpha=8, use_rslora=rslora, target_modules=TARGETS)
+    config.init_lora_weights = False
+    pm = get_peft_model(base, config)
+    want = copy.deepcopy(pm).merge_and_unload().state_dict()
+    got = sg.full_state_dict(pm, merge_adapter="default")
+    assert diff_state_dicts(got, want) == []
+    low = copy.deepcopy(pm).to(torch.bfloat16)
+    want16 = copy.deepcopy(low).merge_and_unload().state_dict()
+    got16 = sg.full_state_dict(low, merge_adapter="default")
+    assert list(got16) == list(want16)
+    sd = low.state_dict()
+    eps = torch.finfo(torch.bfloat16).eps
+    for name, mod in low.named_modules():
+        if not hasattr(mod, "lora_A") or "default" not in mod.lora_A:
+            continue
+        w = sd[f"{name}.base_layer.weight"].float()
+        a, b = sd[f"{name}.lora_A.default.weight"], sd[f"{name}.lora_B.default.weight"]
+        delta = (b.float() @ a.float()) * mod.scaling["default"]
+        key = f"{name}.weight".removeprefix("base_model.model.")
+        # what shardgather computes: the float32 merge, rounded once
+        assert torch.equal(got16[key], (w + delta).to(torch.bfloat16)), key
+        # PEFT rounds twice: apart by at most a rounding of each operand and the sum
+        gap = (got16[key].float() - want16[key].float()).abs()
+        assert (gap <= eps * (w.abs() + delta.abs() + want16[key].float().abs())).all(), key
+    # dtype= casts after merging: the float32 merge, rounded once
+    cast = sg.full_state_dict(pm, merge_adapter="default", dtype=torch.bfloat16)
+    assert all(torch.equal(cast[k], want[k].to(torch.bfloat16)) for k in want)
+
+
+@pytest.mark.parametrize(
+    ("method", "match"),
+    [("dora", "DoRA"), ("ia3", "IA3"), ("modules_to_save", "modules_to_save")],
+)
+def test_merges_it_does_not_cover_are_refused_by_name(method: str, match: str) -> None:
+    from peft import get_peft_model
+
+    pm = get_peft_model(_llama(seed=0)[0], _config(method))
+    with pytest.raises(sg.UnsupportedModelError, match=match) as err:
+        sg.full_state_dict(pm, merge_adapter="default")
+    assert "save_adapter()" in str(err.value)
+    with pytest.raises(sg.ShardGatherError, match="leave keys= out"):
+        sg.full_state_dict(pm, merge_adapter="default", keys="trainable")

@@ -81,17 +81,21 @@ def pieces_of(
 
 
 class Rows:
-    """Each source's local row, read once per call (``Source.local`` may rebuild a row,
-    e.g. FSDP1 use_orig_params optimizer state)."""
+    """The local row of the source being read, built once while its pieces go by
+    (``Source.local`` may build a row: FSDP1 use_orig_params optimizer state, merged
+    adapters). One row is held at a time — pieces come in plan order, a source's
+    together — so built rows never add up to a rank's whole shard."""
 
     def __init__(self) -> None:
-        self._rows: dict[int, torch.Tensor] = {}
+        self._src: int | None = None
+        self._row: torch.Tensor | None = None
 
     def of(self, entry: Entry) -> torch.Tensor:
         src = entry.source
-        if id(src) not in self._rows:
-            self._rows[id(src)] = src.local()
-        return self._rows[id(src)]
+        if self._src != id(src) or self._row is None:
+            self._row = None
+            self._row, self._src = src.local(), id(src)
+        return self._row
 
     def piece(self, pc: Piece) -> torch.Tensor:
         """A contiguous piece's elements (a view of the row)."""
