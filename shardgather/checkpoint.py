@@ -40,6 +40,7 @@ from ._engine.snapshot import AsyncSave
 from ._options import DEFAULT_TIMEOUT, Options, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
+from ._plan.subset import KeySelection
 from ._progress import Progress
 from .errors import CheckpointError, StateDictMismatchError
 from .io import json_values
@@ -54,6 +55,7 @@ MODEL_FILE, OPTIM_FILE, OPTIM_META, EXTRA_FILE = (
     "optim.json",
     "extra.pt",
 )
+SUBSET = "shardgather.subset"  # model file metadata: a keys= checkpoint
 LEGACY_OPTIM_META = "optim.pt"  # before 0.2: the same content, torch.save'd
 
 
@@ -77,6 +79,7 @@ def save_checkpoint(
     reuse_staging: bool = True,
     write_mb_per_s: float | None = None,
     progress: bool = False,
+    keys: KeySelection | None = None,
 ) -> AsyncSave | None:
     """Save model, optimizer state and ``extra`` to the directory ``path``, atomically.
 
@@ -93,6 +96,10 @@ def save_checkpoint(
     shard of the model and of the optimizer state aside (``extra`` is serialised now),
     the optimizer may step at once, and the returned :class:`AsyncSave`'s ``wait()``
     (on every rank, or the next save of the model) publishes the directory.
+    ``keys``: the model's tensors to store (as for :func:`shardgather.full_state_dict`;
+    e.g. ``"trainable"``: a LoRA run's adapter and its optimizer state, not the frozen
+    base, which the run reloads from where it came from); :func:`load_checkpoint` then
+    loads those and leaves the rest of the model as it is.
     ``in_flight``, ``reuse_staging``, ``write_mb_per_s``: as there. ``progress``: one
     tqdm bar on rank 0 for the model and the optimizer state, every rank's bytes
     (blocking saves; a background save's writes are not shown).
@@ -115,7 +122,8 @@ def save_checkpoint(
     snapshot.settle(model, opts.in_flight)
     final = os.path.abspath(os.fspath(path))
     with Call("save_checkpoint", timeout) as call:
-        plan = build_plan(check_model(model))
+        plan = build_plan(check_model(model), keys=keys)
+        subset = keys is not None
         st = state_plan(call, model, optimizer) if optimizer is not None else None
         tmp = _temporary_dir(call, final)
 
@@ -130,7 +138,7 @@ def save_checkpoint(
                 with contextlib.closing(
                     Progress(call, opts.progress, total, "shardgather: save_checkpoint")
                 ) as bar:
-                    run.gather(call, plan, _files(plan, tmp, MODEL_FILE), opts, bar)
+                    run.gather(call, plan, _files(plan, tmp, MODEL_FILE, subset), opts, bar)
                     if st is not None:
                         run.gather(call, st.plan, _files(st.plan, tmp, OPTIM_FILE), opts, bar)
                 for name, data in small.items():
@@ -144,7 +152,7 @@ def save_checkpoint(
                 snapshot.gather_later(
                     call,
                     plan,
-                    _files(plan, tmp, MODEL_FILE),
+                    _files(plan, tmp, MODEL_FILE, subset),
                     opts,
                     snapshot.buffer_for(model, "model", keep, reuse_staging),
                 )
@@ -180,8 +188,11 @@ def save_checkpoint(
     return snapshot.start(model, handle)
 
 
-def _files(plan: GatherPlan, tmp: str, name: str) -> Files:
-    return Files(file_set(plan, os.path.join(tmp, name)), what="save_checkpoint")
+def _files(plan: GatherPlan, tmp: str, name: str, subset: bool = False) -> Files:
+    # A subset (keys=) says so in the header: its load leaves the other keys alone
+    # instead of calling them missing.
+    metadata = {SUBSET: "1"} if subset else None
+    return Files(file_set(plan, os.path.join(tmp, name), metadata=metadata), what="save_checkpoint")
 
 
 def _small_files(
@@ -381,7 +392,8 @@ def load_checkpoint(
                 )
             tensors = stored_tensors(model_file)
             shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-            L.validate(plan, shapes, opts.strict, model_file)
+            subset = read_header(model_file).metadata.get(SUBSET) == "1"
+            L.validate(plan, shapes, opts.strict, model_file, partial=subset)
             model_source = L.StoredSource(tensors, model_file)
             skeleton = None
             if groups is not None:

@@ -69,12 +69,21 @@ def _shard(model, kind: str):  # type: ignore[no-untyped-def]
     return model
 
 
+def _trainable(model):  # type: ignore[no-untyped-def]
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _steps(model, opt, rank: int, start: int, stop: int) -> None:  # type: ignore[no-untyped-def]
+    for step in range(start, stop):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        batch = torch.randint(0, 64, (2, 8), generator=g)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _train_step(model, rank: int) -> None:  # type: ignore[no-untyped-def]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    batch = torch.randint(0, 64, (2, 8), generator=g)
-    model(input_ids=batch, labels=batch).loss.backward()
-    opt.step()
+    _steps(model, torch.optim.AdamW(_trainable(model), lr=1e-2), rank, 0, 1)
 
 
 def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type: ignore[type-arg]
@@ -170,6 +179,30 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
         bad += ["load_adapter: " + p for p in diff_state_dicts(got_adapter, want)]
         base_after = {k: v for k, v in after.items() if k not in names}
         bad += ["base changed: " + p for p in diff_state_dicts(base_after, base_before)]
+    # Exact resume of a LoRA run from an adapter-only checkpoint (keys="trainable"):
+    # the adapter and its optimizer state, the base reloaded as it came.
+    run = _shard(_peft_llama(seed=0)[0], kind)
+    opt = torch.optim.AdamW(_trainable(run), lr=1e-2)
+    _steps(run, opt, rank, 0, 2)
+    ckpt = os.path.join(tmp, f"{kind}-ckpt")
+    sg.save_checkpoint(ckpt, run, opt, keys="trainable", extra={"step": 2})
+    _steps(run, opt, rank, 2, 4)
+    final = sg.full_state_dict(run)
+    restart, _ = _peft_llama(seed=0)
+    with torch.no_grad():
+        for p in _trainable(restart):  # a different adapter: the checkpoint must restore it
+            p.normal_(generator=torch.Generator().manual_seed(5))
+    restart = _shard(restart, kind)
+    opt = torch.optim.AdamW(_trainable(restart), lr=1e-2)
+    extra = sg.load_checkpoint(ckpt, restart, opt)
+    _steps(restart, opt, rank, extra["step"], 4)
+    resumed = sg.full_state_dict(restart)
+    if rank == 0:
+        bad += ["resumed: " + p for p in diff_state_dicts(resumed, final)]
+        stored = sorted(load_file(os.path.join(ckpt, "model.safetensors")))
+        if stored != sorted(names):
+            bad.append(f"the adapter checkpoint stores {len(stored)} tensors, not the adapter")
+
     # A file missing a tensor is refused before anything changes.
     partial = os.path.join(tmp, f"{kind}-partial.safetensors")
     if rank == 0:

@@ -165,12 +165,15 @@ def validate(
     what: str,
     renamed: Mapping[str, str] | None = None,
     others: Collection[str] = (),
+    partial: bool = False,
 ) -> LoadResult:
     """Compare the source's keys/shapes/dtypes with the model before touching anything.
     A tied alias counts as present when its primary is (and vice versa). ``renamed``:
     model key -> the source's own name, where a key map changed it (errors say both).
     ``others``: the model's keys outside a subset plan (``keys=``): the source's copies
-    of them are left alone, not unexpected."""
+    of them are left alone, not unexpected. ``partial``: the source holds a subset
+    by design (a ``keys=`` checkpoint): the model's other keys are left alone, not
+    missing."""
     renamed = renamed or {}
 
     def named(k: str) -> str:
@@ -182,7 +185,7 @@ def validate(
             have.add(primary)
         if primary in have:
             have.add(alias)
-    missing = [k for k in plan.keys if k not in have]
+    missing = [] if partial else [k for k in plan.keys if k not in have]
     unexpected = sorted(set(available) - set(plan.keys) - set(others))
     mismatched: dict[str, str] = {}
     for key, e in plan.entries.items():
