@@ -25,6 +25,7 @@ from shardgather._engine.pieces import Rows, message_size, messages, pieces_of, 
 from shardgather._engine.remote import pack_message
 from shardgather._engine.sinks import Files, HostDict, file_set
 from shardgather._plan import own_blocks
+from shardgather._plan.merge import merged
 from shardgather._plan.subset import select
 
 from . import fake_plans
@@ -125,6 +126,56 @@ def test_buckets_and_parts_deliver_every_element(layout, shapes, world, bucket_b
     for key, e in plan.entries.items():
         if e.source.group is not None:
             assert counts[key] == e.numel, key
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(LAYOUTS)),
+    shapes=SHAPES,
+    world=st.integers(1, 4),
+    cast=st.booleans(),
+    data=st.data(),
+)
+def test_merged_weights_are_added_where_each_rank_holds_them(
+    layout, shapes, world, cast, data
+) -> None:  # type: ignore[no-untyped-def]
+    """merge_adapter='s placement, for every layout (FSDP1 flat rows, FSDP2 dim-0, row-
+    and column-wise TP, FSDP2 x TP): each rank adds the delta rows its own elements of W
+    cover, and the gathered result is W + delta, bit for bit, under the new names."""
+    s = LAYOUTS[layout](shapes, world, out_dtype=torch.bfloat16 if cast else None)
+    two_d = [k for k in s.plans[0].keys if s.fulls[k].dim() == 2]
+    if not two_d:
+        return
+    chosen = data.draw(st.lists(st.sampled_from(two_d), min_size=1, unique=True))
+    g = torch.Generator().manual_seed(len(chosen))
+    full_deltas = {k: torch.randn(tuple(s.fulls[k].shape), generator=g) for k in chosen}
+    calls: list[tuple[int, int]] = []
+
+    def delta(k: str):  # type: ignore[no-untyped-def]
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            calls.append((r0, r1))
+            return full_deltas[k][r0:r1].clone()
+
+        return rows
+
+    dropped = data.draw(st.sampled_from([k for k in s.plans[0].keys if k not in chosen] + [None]))
+    plans = [
+        merged(p, {k: delta(k) for k in chosen}, {dropped} - {None}, lambda k: "m." + k)
+        for p in s.plans
+    ]
+    got = _gather_in_process(Sharded(plans, s.fulls, s.world), 48)
+    assert sorted(got) == sorted("m." + k for k in s.plans[0].keys if k != dropped)
+    for key in s.plans[0].keys:
+        if key == dropped:
+            continue
+        want = s.fulls[key].float() + full_deltas[key] if key in chosen else s.fulls[key]
+        if cast and want.is_floating_point():
+            want = want.to(torch.bfloat16)
+        elif key in chosen:
+            want = want.to(s.fulls[key].dtype)
+        assert torch.equal(got["m." + key], want), key
+    # only the rows a rank's elements cover: never more rows than the weight has, per rank
+    assert all(0 <= r0 < r1 for r0, r1 in calls)
 
 
 @settings(max_examples=40, deadline=None)
