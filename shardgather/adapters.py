@@ -192,6 +192,7 @@ def merging(
         model,
         keys=[k for layer in layers for k in (layer.a_key, layer.b_key)],
         rank0_only=False,
+        bucket_mb=4,  # small buckets: the factors themselves are the memory that stays
         timeout=timeout,
     )
     drop: set[str] = set()
