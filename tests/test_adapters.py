@@ -339,3 +339,55 @@ def test_merges_it_does_not_cover_are_refused_by_name(method: str, match: str) -
     assert "save_adapter()" in str(err.value)
     with pytest.raises(sg.ShardGatherError, match="leave keys= out"):
         sg.full_state_dict(pm, merge_adapter="default", keys="trainable")
+
+
+def tp_worker(rank: int, world: int, tmp: str) -> dict:  # type: ignore[type-arg]
+    """LoRA on a model laid out 2-D: the base linears column/row-wise over tp, FSDP2 over
+    dp on every block (the adapters sharded over dp only)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pm, _ = _peft_llama(seed=0)
+    plain = copy.deepcopy(pm)
+    plan = {
+        **{f"self_attn.{p}.base_layer": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+        "self_attn.o_proj.base_layer": RowwiseParallel(),
+        "mlp.gate_proj.base_layer": ColwiseParallel(),
+        "mlp.up_proj.base_layer": ColwiseParallel(),
+        "mlp.down_proj.base_layer": RowwiseParallel(),
+    }
+    layers = pm.base_model.model.model.layers
+    for layer in layers:
+        parallelize_module(layer, mesh["tp"], plan)
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(pm, mesh=mesh["dp"])
+    placements = sorted(
+        {str(p.placements) for n, p in pm.named_parameters() if "base_layer" in n and "proj" in n}
+    )
+    bad: list[str] = []
+    sg.save_adapter(pm, os.path.join(tmp, "adapter"))
+    merged = sg.full_state_dict(pm, merge_adapter="default")
+    if rank == 0:
+        want = get_peft_model_state_dict(plain)
+        got = load_file(os.path.join(tmp, "adapter", "adapter_model.safetensors"))
+        bad += ["adapter: " + p for p in diff_state_dicts(got, want)]
+        merged_want = plain.merge_and_unload().state_dict()
+        bad += ["merged: " + p for p in diff_state_dicts(merged, merged_want)]
+    return {"problems": bad, "placements": placements}
+
+
+@pytest.mark.distributed
+def test_adapters_of_a_tensor_parallel_base(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    res = dist_harness.run("tests.test_adapters:tp_worker", 4, tmp=str(tmp_path), timeout=300)
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in res[0]["placements"]
+    assert "(Shard(dim=0), Shard(dim=1))" in res[0]["placements"]
+    for r in res:
+        assert r["problems"] == []
