@@ -101,8 +101,11 @@ def _columns(plan: GatherPlan, kept: dict[str, Entry]) -> dict[int, list[tuple[i
     out: dict[int, list[tuple[int, int]]] = {}
     for src in plan.sources:
         mine = mine_by.get(src.index, [])
-        if not mine or src.group is None or len(mine) == total.get(src.index, 0):
-            out[src.index] = [(0, src.row_numel)] if mine else []
+        if not any(e.numel for e in mine):
+            out[src.index] = []  # nothing kept here, or only empty tensors: nothing to move
+            continue
+        if src.group is None or len(mine) == total.get(src.index, 0):
+            out[src.index] = [(0, src.row_numel)]
             continue
         spans: list[tuple[int, int]] = []
         p = src.row_numel
