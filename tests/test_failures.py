@@ -297,6 +297,9 @@ def wrong_calls_worker(rank: int, world: int, path: str) -> dict:  # type: ignor
         time.sleep(6)
         # It then makes the same call late: the call failed already, it learns so at once.
         out["late"] = _timed(lambda: sg.save_full_state_dict(model, path, timeout=long))
+    # Both out of case 1 before case 2 starts: else, on a loaded machine, rank 0 may look
+    # while rank 1 is still in its late call #0 and (rightly) report that instead.
+    dist.barrier()
     # 2. Rank 0 saves, rank 1 loads.
     if rank == 0:
         out["different"] = _timed(lambda: sg.save_full_state_dict(model, path, timeout=long))
