@@ -45,14 +45,20 @@ def adapter_keys(
     a LightningModule); the keys are as :func:`shardgather.full_state_dict` names them.
     No process group is needed and nothing is communicated."""
     peft_model, prefix = _peft_model(model)
+    _config(peft_model, adapter_name, "adapter_name")
+    return _names(peft_model, prefix, build_plan(model), adapter_name, save_embedding_layers)
+
+
+def _names(
+    peft_model: Any,
+    prefix: str,
+    plan: GatherPlan,
+    adapter_name: str,
+    save_embedding_layers: bool | str,
+) -> dict[str, str]:
+    """:func:`adapter_keys` on a plan already built (one walk serves every adapter)."""
     from peft.utils.save_and_load import get_peft_model_state_dict
 
-    if adapter_name not in peft_model.peft_config:
-        raise ShardGatherError(
-            f"the model has no adapter {adapter_name!r} (it has "
-            f"{sorted(peft_model.peft_config)}); pass adapter_name="
-        )
-    plan = build_plan(model)
     raw = _raw_module_names(peft_model)
     stand_ins: dict[str, torch.Tensor] = {}  # as PEFT names the key -> a placeholder
     model_key: dict[int, str] = {}  # id(placeholder) -> the model's key
@@ -118,7 +124,9 @@ def save_adapter(
             layers too when they are adapter targets or were resized).
         progress, timeout, transport: as for :func:`shardgather.save_full_state_dict`.
     """
-    names = adapter_keys(model, adapter_name, save_embedding_layers)
+    peft_model, prefix = _peft_model(model)
+    _config(peft_model, adapter_name, "adapter_name")
+    names = _names(peft_model, prefix, build_plan(model), adapter_name, save_embedding_layers)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     save_full_state_dict(
@@ -135,7 +143,7 @@ def save_adapter(
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        _write_config(_peft_model(model)[0], adapter_name, path)
+        _write_config(peft_model, adapter_name, path)
 
 
 def load_adapter(
@@ -195,9 +203,10 @@ def merging(
         bucket_mb=4,  # small buckets: the factors themselves are the memory that stays
         timeout=timeout,
     )
+    plan = build_plan(model)
     drop: set[str] = set()
     for name in peft_model.peft_config:
-        drop.update(adapter_keys(model, name, save_embedding_layers=False))
+        drop.update(_names(peft_model, prefix, plan, name, save_embedding_layers=False))
     deltas = {layer.weight_key: layer.delta(factors) for layer in layers}
     inner = prefix + "base_model.model."  # PeftModel -> LoraModel -> the base model
     bases = {layer.module for layer in layers}
@@ -240,12 +249,7 @@ def _lora_layers(model: nn.Module, peft_model: Any, adapter_name: str) -> list[_
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    if adapter_name not in peft_model.peft_config:
-        raise ShardGatherError(
-            f"the model has no adapter {adapter_name!r} (it has "
-            f"{sorted(peft_model.peft_config)}); pass merge_adapter="
-        )
-    kind = str(peft_model.peft_config[adapter_name].peft_type)
+    kind = str(_config(peft_model, adapter_name, "merge_adapter").peft_type)
     if not kind.endswith("LORA"):
         raise UnsupportedModelError(
             f"merge_adapter={adapter_name!r}: a {kind} adapter; merged exports cover LoRA "
@@ -298,6 +302,17 @@ def _peft_model(model: nn.Module) -> tuple[Any, str]:
         "peft.get_peft_model(base, config) before sharding; export a plain model's "
         "subset with keys= instead)"
     )
+
+
+def _config(peft_model: Any, adapter_name: str, argument: str) -> Any:
+    """Adapter ``adapter_name``'s PEFT config, or an error naming the ones there are."""
+    config = peft_model.peft_config.get(adapter_name)
+    if config is None:
+        raise ShardGatherError(
+            f"the model has no adapter {adapter_name!r} (it has "
+            f"{sorted(peft_model.peft_config)}); pass {argument}="
+        )
+    return config
 
 
 def _raw_module_names(peft_model: nn.Module) -> dict[str, str]:

@@ -93,7 +93,7 @@ class Rows:
     def of(self, entry: Entry) -> torch.Tensor:
         src = entry.source
         if self._src != id(src) or self._row is None:
-            self._row = None
+            self._row = None  # the previous row goes before the next one is built
             self._row, self._src = src.local(), id(src)
         return self._row
 
