@@ -149,19 +149,19 @@ def test_merged_weights_are_added_where_each_rank_holds_them(
     chosen = data.draw(st.lists(st.sampled_from(two_d), min_size=1, unique=True))
     g = torch.Generator().manual_seed(len(chosen))
     full_deltas = {k: torch.randn(tuple(s.fulls[k].shape), generator=g) for k in chosen}
-    calls: list[tuple[int, int]] = []
+    asked: dict[tuple[int, str], set[int]] = {}  # (rank, key) -> delta rows it asked for
 
-    def delta(k: str):  # type: ignore[no-untyped-def]
+    def delta(rank: int, k: str):  # type: ignore[no-untyped-def]
         def rows(r0: int, r1: int) -> torch.Tensor:
-            calls.append((r0, r1))
+            asked.setdefault((rank, k), set()).update(range(r0, r1))
             return full_deltas[k][r0:r1].clone()
 
         return rows
 
     dropped = data.draw(st.sampled_from([k for k in s.plans[0].keys if k not in chosen] + [None]))
     plans = [
-        merged(p, {k: delta(k) for k in chosen}, {dropped} - {None}, lambda k: "m." + k)
-        for p in s.plans
+        merged(p, {k: delta(rank, k) for k in chosen}, {dropped} - {None}, lambda k: "m." + k)
+        for rank, p in enumerate(s.plans)
     ]
     got = _gather_in_process(Sharded(plans, s.fulls, s.world), 48)
     assert sorted(got) == sorted("m." + k for k in s.plans[0].keys if k != dropped)
@@ -174,8 +174,16 @@ def test_merged_weights_are_added_where_each_rank_holds_them(
         elif key in chosen:
             want = want.to(s.fulls[key].dtype)
         assert torch.equal(got["m." + key], want), key
-    # only the rows a rank's elements cover: never more rows than the weight has, per rank
-    assert all(0 <= r0 < r1 for r0, r1 in calls)
+    # Each rank asked only for the delta rows its own elements of W lie in.
+    for (rank, k), rows in asked.items():
+        e, cols = s.plans[rank].entries[k], s.fulls[k].shape[1]
+        mine = {
+            row
+            for b in own_blocks(e)
+            for _, full, n in b.runs()
+            for row in range(full // cols, (full + n - 1) // cols + 1)
+        }
+        assert rows <= mine, (rank, k, sorted(rows - mine))
 
 
 @settings(max_examples=40, deadline=None)
