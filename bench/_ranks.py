@@ -7,8 +7,10 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import statistics
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from shardgather._memory import peak_rss_rise, trim
 
 
 def _entry(target: Callable[..., dict], rank: int, world: int, tmp: str, args: tuple) -> None:
@@ -75,3 +79,54 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def timed(
+    stats: dict, methods: dict[str, Callable[[int], None]], repeats: int, before=None, after=None
+) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """Run each method ``repeats + 1`` times, alternating their order (A B, B A, ...); the
+    first round is a warm-up. Each rank records its times, peak RSS rise and whether
+    ``before`` made the cache cold, under ``stats[name]``."""
+    order = list(methods)
+    run = 0
+    for rep in range(repeats + 1):
+        for name in order if rep % 2 == 0 else order[::-1]:
+            run += 1
+            cold = before() if before else False
+            trim()
+            dist.barrier()
+            with peak_rss_rise() as mem:
+                t0 = time.perf_counter()
+                methods[name](run)
+                dist.barrier()
+                dt = time.perf_counter() - t0
+            if after:
+                after(name, run)
+            dist.barrier()
+            if rep:  # the first round is the warm-up
+                stats[name]["times"].append(dt)
+                stats[name]["rss"].append(mem["peak_rise"])
+                stats[name]["cold"].append(cold)
+
+
+def method_rows(per_rank: list[dict]) -> list[dict]:  # type: ignore[type-arg]
+    """One row per method of :func:`timed`'s stats: rank 0's median time, its ratio to
+    the first method of its section ("section: method" names; shardgather's comes
+    first), every rank's worst peak RSS rise and whether rank 0 verified its output."""
+    r0 = per_rank[0]
+    rows = []
+    base: dict[str, float] = {}
+    for name in r0["stats"]:
+        t = statistics.median(r0["stats"][name]["times"])
+        base.setdefault(name.split(":")[0], t)
+        rows.append(
+            {
+                "method": name,
+                "time_s": t,
+                "times_s": r0["stats"][name]["times"],
+                "time_ratio_vs_shardgather": t / base[name.split(":")[0]],
+                "peak_rss_rise_per_rank": [max(pr["stats"][name]["rss"]) for pr in per_rank],
+                "verified": r0["verified"].get(name),
+            }
+        )
+    return rows

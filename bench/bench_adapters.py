@@ -31,13 +31,11 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 
 import torch
 import torch.distributed as dist
-from _ranks import run_ranks
-from bench_nd import _timed
+from _ranks import method_rows, run_ranks, timed
 
 MiB = 2**20
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -102,11 +100,13 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
     verified: dict = {}
     moved: dict = {}
 
-    def new(names: list[str]) -> None:
-        for n in names:
-            stats[n] = {"times": [], "rss": [], "cold": []}
+    def counted(methods: dict) -> dict:  # type: ignore[type-arg]
+        """The methods, each recording what its rank moved and wrote under its name."""
+        for name in methods:
+            stats[name] = {"times": [], "rss": [], "cold": []}
+        return {name: _counted(name, fn) for name, fn in methods.items()}
 
-    def counted(name: str, fn):  # type: ignore[no-untyped-def]
+    def _counted(name: str, fn):  # type: ignore[no-untyped-def]
         def run(i: int) -> None:
             if os.environ.get("SG_BENCH_TRACE"):
                 print(f"rank {rank}: {name} run {i}", flush=True)
@@ -142,14 +142,15 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
                 )
             shutil.rmtree(out(i))
 
-    adapter = {
-        "adapter: shardgather save_adapter": counted("adapter: shardgather", a_ours),
-        "adapter: get_model_state_dict(full) + PEFT save_pretrained(state_dict) on rank 0": counted(
-            "adapter: peer", a_peer
-        ),
-    }
-    new(list(adapter))
-    _timed(stats, adapter, args.repeats, after=a_check)
+    adapter = counted(
+        {
+            "adapter: shardgather save_adapter": a_ours,
+            "adapter: get_model_state_dict(full) + PEFT save_pretrained(state_dict) on rank 0": (
+                a_peer
+            ),
+        }
+    )
+    timed(stats, adapter, args.repeats, after=a_check)
 
     # ------------------------------------------------------------------- merged
     def m_ours(i: int) -> None:
@@ -174,16 +175,15 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
                 )
             shutil.rmtree(out(i))
 
-    merged = {
-        "merged: shardgather save_full_state_dict(merge_adapter=)": counted(
-            "merged: shardgather", m_ours
-        ),
-        "merged: get_model_state_dict(full) + merge_and_unload + save_pretrained on rank 0": (
-            counted("merged: peer", m_peer)
-        ),
-    }
-    new(list(merged))
-    _timed(stats, merged, args.repeats, after=m_check)
+    merged = counted(
+        {
+            "merged: shardgather save_full_state_dict(merge_adapter=)": m_ours,
+            "merged: get_model_state_dict(full) + merge_and_unload + save_pretrained on rank 0": (
+                m_peer
+            ),
+        }
+    )
+    timed(stats, merged, args.repeats, after=m_check)
     dist.barrier()
     return {
         "stats": stats,
@@ -209,24 +209,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sg-bench-lora-", dir=".") as root:
         per_rank = run_ranks(worker, args.world, args, os.path.abspath(root))
     r0 = per_rank[0]
-    rows = []
-    base: dict[str, float] = {}
-    for name in r0["stats"]:
-        section = name.split(":")[0]
-        t = statistics.median(r0["stats"][name]["times"])
-        base.setdefault(section, t)  # the first of each section is shardgather's
-        key = f"{section}: {'shardgather' if 'shardgather' in name else 'peer'}"
-        rows.append(
-            {
-                "method": name,
-                "time_s": t,
-                "times_s": r0["stats"][name]["times"],
-                "time_ratio_vs_shardgather": t / base[section],
-                "peak_rss_rise_per_rank": [max(pr["stats"][name]["rss"]) for pr in per_rank],
-                "bytes_per_rank": [pr["moved"][key] for pr in per_rank],
-                "verified": r0["verified"].get(name),
-            }
-        )
+    rows = method_rows(per_rank)
+    for row in rows:
+        row["bytes_per_rank"] = [pr["moved"][row["method"]] for pr in per_rank]
     print(
         f"\n{args.size_gb} GiB Llama ({r0['layers']} layers), LoRA r={args.rank} on every "
         f"linear: adapter {r0['adapter_bytes'] / MiB:.1f} MiB of {r0['model_bytes'] / MiB:.0f} "

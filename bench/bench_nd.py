@@ -45,19 +45,15 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _ranks import drop_caches, run_ranks
+from _ranks import drop_caches, method_rows, run_ranks, timed
 from bench_hf_save import _check
 
-from shardgather._memory import peak_rss_rise, trim
 from shardgather.testing import build_gpt, parallelize_gpt
 
 MiB = 2**20
@@ -76,31 +72,6 @@ def _torch_checkpointing_on_cpu() -> None:
     for cls in vars(mm).values():
         if isinstance(cls, type) and "_all_gather_pickled_data" in vars(cls):
             cls._all_gather_pickled_data = all_gather_pickled
-
-
-def _timed(
-    stats: dict, methods: dict[str, Callable[[int], None]], repeats: int, before=None, after=None
-) -> None:  # type: ignore[no-untyped-def, type-arg]
-    order = list(methods)
-    run = 0
-    for rep in range(repeats + 1):
-        for name in order if rep % 2 == 0 else order[::-1]:
-            run += 1
-            cold = before() if before else False
-            trim()
-            dist.barrier()
-            with peak_rss_rise() as mem:
-                t0 = time.perf_counter()
-                methods[name](run)
-                dist.barrier()
-                dt = time.perf_counter() - t0
-            if after:
-                after(name, run)
-            dist.barrier()
-            if rep:  # the first round is the warm-up
-                stats[name]["times"].append(dt)
-                stats[name]["rss"].append(mem["peak_rise"])
-                stats[name]["cold"].append(cold)
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
@@ -183,7 +154,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
         "gather: torch get_model_state_dict(full_state_dict, cpu_offload)": g_torch,
     }
     new(list(gather))
-    _timed(stats, gather, args.repeats, after=g_check)
+    timed(stats, gather, args.repeats, after=g_check)
 
     # -------------------------------------------------------------------- save
     def s_ours(run: int) -> None:
@@ -219,7 +190,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
         "HF save: torch get_model_state_dict(full) + save_torch_state_dict on rank 0": s_torch,
     }
     new(list(save))
-    _timed(stats, save, args.repeats, after=s_check)
+    timed(stats, save, args.repeats, after=s_check)
 
     # -------------------------------------------------------------------- load
     src = os.path.join(root, "load-src")
@@ -255,7 +226,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict:
         "load (cold cache): torch-checkpointing CheckpointManager.load <- HF directory": l_tc,
     }
     new(list(load))
-    _timed(stats, load, args.repeats, before=zero, after=l_check)
+    timed(stats, load, args.repeats, before=zero, after=l_check)
 
     # torch's own full-dict load, once: does it take a 2-D model at all?
     try:
@@ -289,23 +260,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sg-bench-nd-", dir=".") as root:
         per_rank = run_ranks(worker, args.world, args, os.path.abspath(root))
     r0 = per_rank[0]
-    rows = []
-    base: dict[str, float] = {}
-    for name in r0["stats"]:
-        section = name.split(":")[0]
-        t = statistics.median(r0["stats"][name]["times"])
-        base.setdefault(section, t)  # the first of each section is shardgather's
-        rows.append(
-            {
-                "method": name,
-                "time_s": t,
-                "times_s": r0["stats"][name]["times"],
-                "time_ratio_vs_shardgather": t / base[section],
-                "peak_rss_rise_per_rank": [max(pr["stats"][name]["rss"]) for pr in per_rank],
-                "cold_cache": all(r0["stats"][name]["cold"]) if "load" in section else None,
-                "verified": r0["verified"].get(name),
-            }
-        )
+    rows = method_rows(per_rank)
+    for row in rows:
+        section = row["method"].split(":")[0]
+        row["cold_cache"] = all(r0["stats"][row["method"]]["cold"]) if "load" in section else None
     print(
         f"\n{args.size_gb} GiB tied GPT, dp {args.world // 2} x tp 2 (FSDP2 x TP), gloo, "
         f"world {args.world}, {r0['files']} files of <= {args.shard_mb} MB, median of "
