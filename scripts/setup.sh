@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -r requirements-dev.txt
 python3 -m pip install -q --no-deps -r requirements-nodeps.txt
+DS_BUILD_OPS=0 python3 -m pip install -q --no-build-isolation -r requirements-sdist.txt
 # With nvcc on PATH the CUDA kernels must build: a compile failure fails the setup.
 if [[ -z "${SHARDGATHER_CUDA:-}" ]] && command -v nvcc >/dev/null 2>&1; then
   export SHARDGATHER_CUDA=1

@@ -2,8 +2,11 @@
 
 python -m shardgather inspect FILE
 python -m shardgather clean-keys IN OUT
-python -m shardgather consolidate DCP_DIR OUT.safetensors [--dtype bf16] [--prefix model.]
-python -m shardgather consolidate DCP_DIR OUT_DIR --max-shard-size 5GB
+python -m shardgather consolidate SRC OUT.safetensors [--dtype bf16] [--prefix model.]
+python -m shardgather consolidate SRC OUT_DIR --max-shard-size 5GB
+
+SRC: a torch.distributed.checkpoint directory, or a DeepSpeed ZeRO-1/2/3 checkpoint
+(global_stepN/, or the directory whose 'latest' names it).
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -30,6 +36,7 @@ from .io.safetensors_format import (
     pwrite_from,
     read_header,
 )
+from .io.stored import StoredTensor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _COPY_CHUNK = 64 * 2**20
@@ -206,45 +213,75 @@ def cmd_clean_keys(src: str, out: str) -> int:
     return 0
 
 
+def _consolidation_sources(
+    src: str,
+) -> tuple[dict[str, StoredTensor], dict[str, str], str]:
+    """The tensors of a DCP directory or a DeepSpeed ZeRO checkpoint (its tied aliases,
+    what it is), read through the restricted readers (nothing unpickled with pickle's
+    full powers)."""
+    from .io.dcp_format import dcp_sources, is_dcp_directory
+    from .io.deepspeed_format import is_deepspeed_checkpoint, read_zero_checkpoint
+
+    if is_dcp_directory(src):
+        return dcp_sources(src), {}, "torch.distributed.checkpoint"
+    if is_deepspeed_checkpoint(src):
+        ck = read_zero_checkpoint(src)
+        return ck.tensors, ck.aliases, f"deepspeed ZeRO-{ck.stage} (world {ck.world})"
+    raise CheckpointError(
+        f"{src}: neither a torch.distributed.checkpoint directory (no .metadata) nor a "
+        "DeepSpeed checkpoint (no *_model_states.pt here or in the directory named by "
+        "'latest')"
+    )
+
+
 def cmd_consolidate(
-    dcp_dir: str,
+    src: str,
     out: str,
     dtype: str | None,
     prefix: str | None,
     progress: bool,
     max_shard_size: str | None = None,
+    workers: int | None = None,
 ) -> int:
-    """A DCP directory -> one safetensors file, or the sharded HF layout. Reads through
-    the restricted DCP reader (nothing unpickled with pickle's full powers), one window
-    of at most 64 MiB in memory; same-dtype tensors are copied file to file in the
-    kernel (copy_file_range)."""
-    from .io.dcp_format import dcp_sources, is_dcp_directory
+    """A DCP directory or a DeepSpeed ZeRO checkpoint -> one safetensors file, or the
+    sharded HF layout. ``workers`` threads each copy a share of 64 MiB pieces straight
+    from the source files to their final offsets: same-dtype pieces file to file in the
+    kernel (copy_file_range), casts through one buffer per worker."""
     from .io.hf_layout import output_layout
 
-    if not is_dcp_directory(dcp_dir):
-        raise CheckpointError(
-            f"{dcp_dir}: not a torch.distributed.checkpoint directory (no .metadata)"
-        )
     shard_bytes = output_layout(out, max_shard_size)
+    tensors, tied, what = _consolidation_sources(src)
     cast = DTYPES[dtype] if dtype else None
     items = []
-    for key, t in dcp_sources(dcp_dir).items():
+    for key, t in tensors.items():
         if prefix and not key.startswith(prefix):
             continue
         name = clean_fqn(key[len(prefix) :] if prefix else key)
         out_dtype = cast if cast is not None and t.dtype.is_floating_point else t.dtype
         items.append((name, t, out_dtype))
     if not items:
-        raise CheckpointError(f"{dcp_dir}: no tensors{' under ' + prefix if prefix else ''}")
+        raise CheckpointError(f"{src}: no tensors{' under ' + prefix if prefix else ''}")
     names = [n for n, _, _ in items]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise CheckpointError(f"{dcp_dir}: two keys clean to {dup!r}; pass --prefix")
+        raise CheckpointError(f"{src}: two keys clean to {dup!r}; pass --prefix")
+
+    def renamed(key: str) -> str | None:
+        if prefix and not key.startswith(prefix):
+            return None
+        return clean_fqn(key[len(prefix) :] if prefix else key)
+
+    aliases = {}
+    for a, k in tied.items():
+        na, nk = renamed(a), renamed(k)
+        if na is not None and nk is not None:
+            aliases[na] = nk
     fs = lay_out(
         [(n, odt, t.shape) for n, t, odt in items],
         out,
-        metadata={"source": "torch.distributed.checkpoint"},
+        metadata={"source": what},
         max_shard_size=shard_bytes,
+        aliases=aliases,
     )
     total = sum(fs.sizes)
     bar = None
@@ -254,48 +291,78 @@ def cmd_consolidate(
         # the bytes the bar counts: tensor data (headers are written before it starts)
         data = sum(t.numel * odt.itemsize for _, t, odt in items)
         bar = tqdm(total=data, unit="B", unit_scale=True, desc="consolidate")
-
-    def fill(fds: list[int], where: dict[str, tuple[int, int]]) -> None:
-        srcs: dict[str, int] = {}
-        buf = torch.empty(0, dtype=torch.uint8)
-        try:
-            for name, t, odt in items:
-                i, at = where[name]
-                size = t.dtype.itemsize
-                step = max(1, _COPY_CHUNK // size)
-                for a in range(0, t.numel, step):
-                    b = min(t.numel, a + step)
-                    if odt == t.dtype:
-                        for path, offset, first, count in t.runs(a, b):
-                            if path not in srcs:
-                                srcs[path] = os.open(path, os.O_RDONLY)
-                            _copy_range(srcs[path], offset, fds[i], at + first * size, count * size)
-                    else:
-                        n = (b - a) * size
-                        if buf.numel() < n:
-                            buf = torch.empty(n, dtype=torch.uint8)
-                        for path, offset, first, count in t.runs(a, b):
-                            if path not in srcs:
-                                srcs[path] = os.open(path, os.O_RDONLY)
-                            lo = (first - a) * size
-                            pread_into(srcs[path], buf[lo : lo + count * size], offset)
-                        cast_ = buf[:n].view(t.dtype).to(odt)
-                        pwrite_from(fds[i], cast_.view(torch.uint8), at + a * odt.itemsize)
-                    if bar is not None:
-                        bar.update((b - a) * odt.itemsize)
-        finally:
-            for fd in srcs.values():
-                os.close(fd)
-
-    write_alone(fs, fill)
+    write_alone(fs, lambda fds, where: _copy_parallel(items, fds, where, workers, bar))
     if bar is not None:
         bar.close()
     if fs.directory:
-        what = f"{len(fs.names)} file{'s' if len(fs.names) > 1 else ''} in directory {fs.final}/"
+        dest = f"{len(fs.names)} file{'s' if len(fs.names) > 1 else ''} in directory {fs.final}/"
     else:
-        what = f"the file {fs.final}"
-    print(f"wrote {len(items)} tensors, {total / 2**20:.1f} MiB: {what}")
+        dest = f"the file {fs.final}"
+    tied_note = f" (+{len(aliases)} tied)" if aliases else ""
+    print(f"wrote {len(items)} tensors{tied_note}, {total / 2**20:.1f} MiB: {dest}")
     return 0
+
+
+def _copy_parallel(
+    items: list[tuple[str, StoredTensor, torch.dtype]],
+    fds: list[int],
+    where: dict[str, tuple[int, int]],
+    workers: int | None,
+    bar: Any,
+) -> None:
+    """Every tensor's elements from its stored runs to its offset in the output files:
+    the work cut in pieces of at most 64 MiB, taken in order by ``workers`` threads
+    (syscalls and casts release the GIL; threads share descriptors, and each holds at
+    most one piece's buffer). The first error stops the others and is raised."""
+    pieces = []
+    for name, t, odt in items:
+        list(t.runs(0, t.numel))  # locate lazily-located chunks (DCP) before threads share t
+        step = max(1, _COPY_CHUNK // max(t.dtype.itemsize, odt.itemsize))
+        for a in range(0, t.numel, step):
+            pieces.append((name, t, odt, a, min(t.numel, a + step)))
+    srcs = {p: os.open(p, os.O_RDONLY) for _, t, _ in items for p in t.paths}
+    lock = threading.Lock()
+    order = iter(pieces)
+    failed = threading.Event()
+
+    def work() -> None:
+        buf = torch.empty(0, dtype=torch.uint8)
+        while not failed.is_set():
+            with lock:
+                piece = next(order, None)
+            if piece is None:
+                return
+            name, t, odt, a, b = piece
+            i, at = where[name]
+            size = t.dtype.itemsize
+            try:
+                if odt == t.dtype:
+                    for path, offset, first, count in t.runs(a, b):
+                        _copy_range(srcs[path], offset, fds[i], at + first * size, count * size)
+                else:
+                    n = (b - a) * size
+                    if buf.numel() < n:
+                        buf = torch.empty(n, dtype=torch.uint8)
+                    for path, offset, first, count in t.runs(a, b):
+                        lo = (first - a) * size
+                        pread_into(srcs[path], buf[lo : lo + count * size], offset)
+                    cast_ = buf[:n].view(t.dtype).to(odt)
+                    pwrite_from(fds[i], cast_.view(torch.uint8), at + a * odt.itemsize)
+            except BaseException:
+                failed.set()
+                raise
+            if bar is not None:
+                with lock:
+                    bar.update((b - a) * odt.itemsize)
+
+    n = max(1, min(workers or os.cpu_count() or 1, len(pieces)))
+    try:
+        with ThreadPoolExecutor(n, thread_name_prefix="sg-consolidate") as pool:
+            for f in [pool.submit(work) for _ in range(n)]:
+                f.result()
+    finally:
+        for fd in srcs.values():
+            os.close(fd)
 
 
 def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
@@ -332,9 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out")
     p = sub.add_parser(
         "consolidate",
-        help="torch.distributed.checkpoint dir -> one safetensors file or an HF directory",
+        help="a torch.distributed.checkpoint directory or a DeepSpeed ZeRO checkpoint -> "
+        "one safetensors file or an HF directory",
     )
-    p.add_argument("dcp_dir")
+    p.add_argument("src", help="DCP directory, or DeepSpeed global_stepN/ (or its parent)")
     p.add_argument("out", help="OUT.safetensors, or OUT/ (or an existing directory): the HF layout")
     p.add_argument(
         "--max-shard-size",
@@ -345,6 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--prefix", default=None, help="only keys under this prefix (stripped)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="threads copying in parallel (default: the CPU count)",
+    )
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":
@@ -352,12 +426,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "clean-keys":
             return cmd_clean_keys(args.src, args.out)
         return cmd_consolidate(
-            args.dcp_dir,
+            args.src,
             args.out,
             args.dtype,
             args.prefix,
             not args.no_progress,
             args.max_shard_size,
+            args.workers,
         )
     except ShardGatherError as exc:
         print(f"shardgather: error: {_one_line(exc)}", file=sys.stderr)

@@ -367,21 +367,24 @@ def load_full_state_dict(
     its own elements.
 
     From safetensors — one file, or a Hugging Face directory of shard files with its
-    ``model.safetensors.index.json`` — or a DCP directory, every rank preads only the
-    byte ranges of its own shards (plus the small tensors every rank holds in full,
-    such as buffers) and the copy-in op writes them (cast where the source holds
-    another float dtype) into its shard storage; a torch file is memory-mapped, so only
-    the pages of a rank's own elements are read; a dict is used where it is. When only
-    rank 0 holds the source (a dict, ``{}`` elsewhere, or a file on rank 0's own disk),
-    rank 0 sends each rank just its own elements of each tensor, one tensor at a time.
-    No all-gather. Keys and shapes are validated on every rank first: on a mismatch
-    nothing is modified.
+    ``model.safetensors.index.json`` — a DCP directory or a DeepSpeed ZeRO checkpoint,
+    every rank preads only the byte ranges of its own shards (plus the small tensors
+    every rank holds in full, such as buffers) and the copy-in op writes them (cast
+    where the source holds another float dtype) into its shard storage; a torch file is
+    memory-mapped, so only the pages of a rank's own elements are read; a dict is used
+    where it is. When only rank 0 holds the source (a dict, ``{}`` elsewhere, or a file
+    on rank 0's own disk), rank 0 sends each rank just its own elements of each tensor,
+    one tensor at a time. No all-gather. Keys and shapes are validated on every rank
+    first: on a mismatch nothing is modified.
 
     Args:
         model: plain, DDP, FSDP1 or FSDP2 model (the same kinds as full_state_dict).
         source: a ``.safetensors`` path (e.g. from :func:`save_full_state_dict`), a
             directory ``save_pretrained`` wrote (sharded or not) or its index file, a
-            ``torch.distributed.checkpoint`` directory, a ``torch.save`` file
+            ``torch.distributed.checkpoint`` directory, a DeepSpeed ZeRO-1/2/3
+            checkpoint (its ``global_stepN`` directory, or the parent naming it in
+            ``latest``: the fp32 master weights, frozen parameters and buffers, read
+            without unpickling), a ``torch.save`` file
             (``.pt``/``.bin``; a nested ``state_dict``/``model`` dict is found; wrapped
             key names are cleaned), or a dict of full tensors.
         strict: raise on missing/unexpected keys; False loads the intersection.

@@ -13,11 +13,8 @@ then preads just the element ranges of its own shard (:mod:`.stored`).
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
-import struct
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +22,7 @@ import torch
 
 from ..errors import CheckpointError
 from .stored import Extent, StoredTensor
+from .torch_archive import Archive, TensorRef, torch_dtype
 
 METADATA_FILE = ".metadata"
 
@@ -55,21 +53,13 @@ _METADATA_GLOBALS = {
 }
 
 
-def _torch_dtype(module: str, name: str) -> torch.dtype | None:
-    if module == "torch":
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            return value
-    return None
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, f: Any, where: str) -> None:
         super().__init__(f)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
-        dtype = _torch_dtype(module, name)
+        dtype = torch_dtype(module, name)
         if dtype is not None:
             return dtype
         if (module, name) in _METADATA_GLOBALS:
@@ -263,159 +253,17 @@ def _product(ranges: list[range]):
 # ------------------------------------------------------------------ a chunk's zip
 
 
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of a file, as a seekable read-only stream."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-@dataclass
-class _StorageRef:
-    key: str
-    dtype: torch.dtype | None  # None: an untyped storage (the dtype comes with the tensor)
-
-
-@dataclass
-class _TensorRef:
-    storage: _StorageRef
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _rebuild_v2(storage, storage_offset, size, stride, *_rest):
-    return _TensorRef(storage, storage_offset, tuple(size), tuple(stride), storage.dtype)
-
-
-def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_rest):
-    return _TensorRef(storage, storage_offset, tuple(size), tuple(stride), dtype)
-
-
-# torch.save names typed storages by these legacy classes (asking the classes for their
-# dtype warns that TypedStorage is deprecated).
-_LEGACY_STORAGES = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexDoubleStorage": torch.complex128,
-    "ComplexFloatStorage": torch.complex64,
-}
-
-
-class _ChunkUnpickler(pickle.Unpickler):
-    """``data.pkl`` of a one-tensor torch.save: yields a _TensorRef, builds nothing."""
-
-    def __init__(self, f: Any, where: str) -> None:
-        super().__init__(f)
-        self.where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = _torch_dtype(module, name)
-        if dtype is not None:
-            return dtype
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if module == "collections" and name == "OrderedDict":
-            return dict
-        if (module == "torch" and name.endswith("Storage")) or (
-            module == "torch.storage" and name == "UntypedStorage"
-        ):
-            return (module, name)
-        raise CheckpointError(f"{self.where}: refusing to unpickle {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointError(f"{self.where}: unexpected storage record {pid!r}")
-        module, name = pid[1]
-        dtype = None
-        if module == "torch":
-            dtype = _LEGACY_STORAGES.get(name)
-            if dtype is None:
-                raise CheckpointError(f"{self.where}: unknown storage type torch.{name}")
-        return _StorageRef(str(pid[2]), dtype)
-
-
 def _chunk_data_offset(key: str, chunk: _Chunk, dtype: torch.dtype) -> int:
     """File offset of the first element of the chunk's box, from its zip's directory
     and data.pkl; checks the record holds the box's elements, row-major, uncompressed."""
     where = f"{chunk.path} (chunk {list(chunk.offsets)} of {key!r})"
-    fd = os.open(chunk.path, os.O_RDONLY)
-    try:
-        window = _Window(fd, chunk.offset, chunk.length)
-        try:
-            # Unbuffered: zipfile reads the end record, the directory and data.pkl only
-            # (a buffer would pull in tensor bytes that may be another rank's).
-            z = zipfile.ZipFile(window)
-            infos = {i.filename: i for i in z.infolist()}
-            pkl = next((n for n in infos if n.endswith("/data.pkl")), None)
-            if pkl is None:
-                raise CheckpointError(f"{where}: no data.pkl in the chunk's torch.save archive")
-            prefix = pkl[: -len("data.pkl")]
-            order = z.read(prefix + "byteorder").decode() if prefix + "byteorder" in infos else ""
-            ref = _ChunkUnpickler(io.BytesIO(z.read(pkl)), where).load()
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"{where}: not a readable torch.save chunk ({exc})") from None
-        if order not in ("", "little"):
-            raise CheckpointError(f"{where}: {order}-endian data is not supported")
-        if not isinstance(ref, _TensorRef):
+    with Archive(chunk.path, chunk.offset, chunk.length, where=where) as archive:
+        ref = archive.load()
+        if not isinstance(ref, TensorRef):
             raise CheckpointError(f"{where}: the chunk holds a {type(ref).__name__}, not a tensor")
         if ref.dtype != dtype or ref.size != chunk.sizes:
             raise CheckpointError(
                 f"{where}: the chunk holds {ref.dtype} {list(ref.size)}, the metadata says "
                 f"{dtype} {list(chunk.sizes)}"
             )
-        contiguous, n = [], 1
-        for d in reversed(ref.size):
-            contiguous.append(n)
-            n *= d
-        if any(s > 1 and st != c for s, st, c in zip(ref.size, ref.stride, contiguous[::-1])):
-            raise CheckpointError(f"{where}: a non-contiguous chunk (strides {ref.stride})")
-        info = infos.get(prefix + "data/" + ref.storage.key)
-        if info is None or info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointError(f"{where}: the chunk's data record is missing or compressed")
-        if (ref.storage_offset + n) * dtype.itemsize > info.file_size:
-            raise CheckpointError(f"{where}: the chunk's data record is truncated")
-        local = os.pread(fd, 30, chunk.offset + info.header_offset)
-        if len(local) < 30 or local[:4] != b"PK\x03\x04":
-            raise CheckpointError(f"{where}: damaged zip record")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        data = chunk.offset + info.header_offset + 30 + name_len + extra_len
-        if data + (ref.storage_offset + n) * dtype.itemsize > chunk.offset + chunk.length:
-            raise CheckpointError(f"{where}: the chunk's data runs past its stored length")
-        return data + ref.storage_offset * dtype.itemsize
-    finally:
-        os.close(fd)
+        return archive.locate(ref, "the chunk's data")

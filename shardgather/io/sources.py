@@ -1,5 +1,5 @@
 """What a load reads: a path (safetensors file, Hugging Face directory or index, DCP
-directory, torch file) or a dict, as tensors by key — validated before any byte moves.
+directory, DeepSpeed ZeRO checkpoint, torch file) or a dict, as tensors by key — validated before any byte moves.
 
 Files become :class:`StoredTensor` descriptions (where each element's bytes are), so a
 rank can read exactly its own elements; torch files and dicts are full tensors (a
@@ -16,6 +16,7 @@ import torch
 from .._fqn import clean_fqn
 from ..errors import CheckpointError
 from .dcp_format import dcp_sources, is_dcp_directory
+from .deepspeed_format import is_deepspeed_checkpoint, read_zero_checkpoint
 from .hf_layout import KeyMap, is_safetensors_source, map_keys, open_sources, safetensors_files
 from .safetensors_format import read_header
 from .stored import StoredTensor, one_extent
@@ -70,6 +71,8 @@ def open_path(
     validated here."""
     if is_dcp_directory(path):
         found: Mapping[str, object] = dcp_sources(path)
+    elif is_deepspeed_checkpoint(path):
+        found = read_zero_checkpoint(path).sources()
     elif is_safetensors_source(path) or looks_like_safetensors(path):
         found = stored_tensors(path)
     else:
