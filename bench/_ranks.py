@@ -81,6 +81,28 @@ def drop_caches() -> bool:
         return False
 
 
+def evict(paths: list[str]) -> bool:
+    """Make reading these files (or every file under these directories) cold: the whole
+    page cache where allowed, else their own pages (written back, then
+    POSIX_FADV_DONTNEED — what a container that may not write drop_caches can do)."""
+    if drop_caches():
+        return True
+    os.sync()
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += [os.path.join(d, n) for d, _, names in os.walk(p) for n in names]
+        elif os.path.exists(p):
+            files.append(p)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
 def timed(
     stats: dict, methods: dict[str, Callable[[int], None]], repeats: int, before=None, after=None
 ) -> None:  # type: ignore[no-untyped-def, type-arg]

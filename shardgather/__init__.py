@@ -38,7 +38,7 @@ from .api import (
     release_staging,
     save_full_state_dict,
 )
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_from_zero, load_checkpoint, save_checkpoint
 from .stream import Gatherer, iter_full_tensors
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "UnsupportedModelError",
     "adapter_keys",
     "build_info",
+    "checkpoint_from_zero",
     "clean_fqn",
     "full_optim_state_dict",
     "full_state_dict",

@@ -17,15 +17,13 @@ import json
 import os
 import sys
 import tempfile
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from ._fqn import FLAT_PARAM_COMPONENTS, clean_fqn, has_wrapper_components
 from .errors import CheckpointError, ShardGatherError
+from .io.consolidate import copy_tensors
 from .io.file_set import lay_out, write_alone
 from .io.hf_layout import INDEX_SUFFIX, open_sources, safetensors_files
 from .io.publish import publish_file
@@ -291,7 +289,7 @@ def cmd_consolidate(
         # the bytes the bar counts: tensor data (headers are written before it starts)
         data = sum(t.numel * odt.itemsize for _, t, odt in items)
         bar = tqdm(total=data, unit="B", unit_scale=True, desc="consolidate")
-    write_alone(fs, lambda fds, where: _copy_parallel(items, fds, where, workers, bar))
+    write_alone(fs, lambda fds, where: copy_tensors(items, fds, where, workers, bar))
     if bar is not None:
         bar.close()
     if fs.directory:
@@ -301,85 +299,6 @@ def cmd_consolidate(
     tied_note = f" (+{len(aliases)} tied)" if aliases else ""
     print(f"wrote {len(items)} tensors{tied_note}, {total / 2**20:.1f} MiB: {dest}")
     return 0
-
-
-def _copy_parallel(
-    items: list[tuple[str, StoredTensor, torch.dtype]],
-    fds: list[int],
-    where: dict[str, tuple[int, int]],
-    workers: int | None,
-    bar: Any,
-) -> None:
-    """Every tensor's elements from its stored runs to its offset in the output files:
-    the work cut in pieces of at most 64 MiB, taken in order by ``workers`` threads
-    (syscalls and casts release the GIL; threads share descriptors, and each holds at
-    most one piece's buffer). The first error stops the others and is raised."""
-    pieces = []
-    for name, t, odt in items:
-        list(t.runs(0, t.numel))  # locate lazily-located chunks (DCP) before threads share t
-        step = max(1, _COPY_CHUNK // max(t.dtype.itemsize, odt.itemsize))
-        for a in range(0, t.numel, step):
-            pieces.append((name, t, odt, a, min(t.numel, a + step)))
-    srcs = {p: os.open(p, os.O_RDONLY) for _, t, _ in items for p in t.paths}
-    lock = threading.Lock()
-    order = iter(pieces)
-    failed = threading.Event()
-
-    def work() -> None:
-        buf = torch.empty(0, dtype=torch.uint8)
-        while not failed.is_set():
-            with lock:
-                piece = next(order, None)
-            if piece is None:
-                return
-            name, t, odt, a, b = piece
-            i, at = where[name]
-            size = t.dtype.itemsize
-            try:
-                if odt == t.dtype:
-                    for path, offset, first, count in t.runs(a, b):
-                        _copy_range(srcs[path], offset, fds[i], at + first * size, count * size)
-                else:
-                    n = (b - a) * size
-                    if buf.numel() < n:
-                        buf = torch.empty(n, dtype=torch.uint8)
-                    for path, offset, first, count in t.runs(a, b):
-                        lo = (first - a) * size
-                        pread_into(srcs[path], buf[lo : lo + count * size], offset)
-                    cast_ = buf[:n].view(t.dtype).to(odt)
-                    pwrite_from(fds[i], cast_.view(torch.uint8), at + a * odt.itemsize)
-            except BaseException:
-                failed.set()
-                raise
-            if bar is not None:
-                with lock:
-                    bar.update((b - a) * odt.itemsize)
-
-    n = max(1, min(workers or os.cpu_count() or 1, len(pieces)))
-    try:
-        with ThreadPoolExecutor(n, thread_name_prefix="sg-consolidate") as pool:
-            for f in [pool.submit(work) for _ in range(n)]:
-                f.result()
-    finally:
-        for fd in srcs.values():
-            os.close(fd)
-
-
-def _copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
-    """n bytes file to file: in the kernel where it can (copy_file_range), else through
-    a buffer."""
-    done = 0
-    while done < n:
-        try:
-            k = os.copy_file_range(src, dst, n - done, src_off + done, dst_off + done)
-        except OSError:
-            k = 0
-        if k <= 0:
-            buf = torch.empty(n - done, dtype=torch.uint8)
-            pread_into(src, buf, src_off + done)
-            pwrite_from(dst, buf, dst_off + done)
-            return
-        done += k
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,6 +333,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefix", default=None, help="only keys under this prefix (stripped)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="DeepSpeed only: write a shardgather checkpoint directory OUT/ (weights, the "
+        "optimizer's moments by parameter name, its groups and step) for "
+        "shardgather.load_checkpoint: an exact resume under FSDP",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -425,6 +351,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_inspect(args.file)
         if args.cmd == "clean-keys":
             return cmd_clean_keys(args.src, args.out)
+        if args.checkpoint:
+            from .checkpoint import checkpoint_from_zero
+
+            done = checkpoint_from_zero(
+                args.src,
+                args.out,
+                dtype=DTYPES[args.dtype] if args.dtype else None,
+                workers=args.workers,
+                progress=not args.no_progress,
+            )
+            print(f"wrote the checkpoint directory {done}/")
+            return 0
         return cmd_consolidate(
             args.src,
             args.out,

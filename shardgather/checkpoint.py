@@ -437,3 +437,93 @@ def load_checkpoint(
             assert groups is not None
             optimizer.load_state_dict(O.optimizer_state_dict(groups, loaded[0]))
     return view.extra
+
+
+def checkpoint_from_zero(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    workers: int | None = None,
+    progress: bool = False,
+) -> str:
+    """A DeepSpeed ZeRO-1/2/3 checkpoint -> a :func:`save_checkpoint` directory: the
+    model (fp32 masters, frozen parameters, buffers, ties once; ``dtype`` casts float
+    tensors), the optimizer's element-wise states (Adam's moments) by parameter name,
+    its param groups and step — so :func:`load_checkpoint` resumes the run exactly in
+    an FSDP (or plain) model at any world size. DeepSpeed's own converter keeps the
+    weights only. Nothing is unpickled; the copies run on ``workers`` threads; the
+    directory appears atomically. Returns its path.
+
+    Raises:
+        CheckpointError: not a ZeRO checkpoint, damaged, or holding no optimizer state
+            (saved before the first step, or its steps disagree across groups).
+    """
+    from .io.consolidate import copy_tensors
+    from .io.deepspeed_format import read_zero_checkpoint
+    from .io.file_set import lay_out, write_alone
+
+    ck = read_zero_checkpoint(src)
+    if not ck.states or ck.step is None:
+        raise CheckpointError(
+            f"{ck.directory}: no element-wise optimizer state to convert (saved before the "
+            "first step?); convert the weights alone with `shardgather consolidate`"
+        )
+    if len(ck.param_groups) != len(ck.groups):
+        raise CheckpointError(
+            f"{ck.directory}: {len(ck.param_groups)} optimizer param groups for "
+            f"{len(ck.groups)} groups of parameters"
+        )
+    final = os.path.abspath(os.fspath(out))
+    tmp = os.path.join(
+        os.path.dirname(final), f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:8]}"
+    )
+    model_items = [
+        (k, t, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
+        for k, t in ck.tensors.items()
+    ]
+    state_items = [
+        (f"{name}/{k}", t, t.dtype)
+        for name in sorted(ck.states)
+        for k, t in ck.states[name].items()
+    ]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        total = sum(t.numel * d.itemsize for _, t, d in model_items + state_items)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="checkpoint from ZeRO")
+    os.makedirs(tmp)
+    try:
+        for name, items, aliases in (
+            (MODEL_FILE, model_items, ck.aliases),
+            (OPTIM_FILE, state_items, {}),
+        ):
+            fs = lay_out(
+                [(k, d, t.shape) for k, t, d in items],
+                os.path.join(tmp, name),
+                metadata={"source": f"deepspeed ZeRO-{ck.stage} (world {ck.world})"},
+                aliases=aliases,
+            )
+            write_alone(
+                fs, lambda fds, where, items=items: copy_tensors(items, fds, where, workers, bar)
+            )
+        groups = [dict(pg, params=list(names)) for pg, names in zip(ck.param_groups, ck.groups)]
+        step = ck.step
+        meta = {
+            "param_groups": groups,
+            "scalars": {k: {"step": step} for k in ck.trainable},
+            "elements": {k: sorted(ck.states) for k in ck.trainable},
+        }
+        _write_durably(os.path.join(tmp, OPTIM_META), json_values.dumps(meta, "optimizer state"))
+        buf = io.BytesIO()
+        torch.save({"deepspeed": {"directory": ck.directory, "zero_stage": ck.stage}}, buf)
+        _write_durably(os.path.join(tmp, EXTRA_FILE), buf.getvalue())
+        publish_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return final

@@ -128,8 +128,7 @@ def test_consolidate_is_bit_exact_with_frozen_tied_and_buffers(
     plain = DSModel()
     plain.load_state_dict(got)
     bf16 = tmp_path / "bf16"
-    tag = open(os.path.join(d, "latest")).read().strip()
-    args = ["consolidate", os.path.join(d, tag), str(bf16), "--dtype", "bf16"]
+    args = ["consolidate", _step_dir(d), str(bf16), "--dtype", "bf16"]
     assert main([*args, "--max-shard-size", "3KB", "--workers", "3", "--no-progress"]) == 0
     assert len([n for n in os.listdir(bf16) if n.endswith(".safetensors")]) > 1
     half = DSModel().bfloat16()
@@ -203,7 +202,8 @@ def _copy(d: str, tmp_path) -> str:  # type: ignore[no-untyped-def]
 
 
 def _step_dir(d: str) -> str:
-    return os.path.join(d, open(os.path.join(d, "latest")).read().strip())
+    with open(os.path.join(d, "latest")) as f:
+        return os.path.join(d, f.read().strip())
 
 
 class _RunsCode:
@@ -293,3 +293,56 @@ def test_pickle_module_is_not_what_reads(checkpoints, tmp_path, monkeypatch) -> 
     monkeypatch.setattr(pickle, "load", boom)
     monkeypatch.setattr(pickle, "loads", boom)
     assert main(["consolidate", checkpoints[3][0], str(tmp_path / "m.safetensors")]) == 0
+
+
+# ------------------------------------------------------------------ optimizer state
+
+
+def _check_resumed(model, opt, result) -> None:  # type: ignore[no-untyped-def]
+    oracle = result["__oracle__"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in opt.state} == set(oracle["param"])
+    for p, state in opt.state.items():
+        n = names[id(p)]
+        assert float(state["step"]) == 3.0
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[s], oracle[s][n]), (n, s)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_checkpoint_carries_the_adam_moments_by_name(checkpoints, stage, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d, result = checkpoints[stage]
+    out = tmp_path / "ckpt"
+    assert main(["consolidate", d, str(out), "--checkpoint", "--no-progress"]) == 0
+    model = DSModel()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sg.load_checkpoint(out, model, opt)
+    assert not diff_state_dicts(model.state_dict(), _expected(result), order=False)
+    _check_resumed(model, opt, result)
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.01
+
+
+def _resume_fsdp2(rank: int, world: int, path: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)
+    model = DSModel()
+    fully_shard(model.l1)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sg.load_checkpoint(path, model, opt)
+    return {"sd": sg.full_state_dict(model), "osd": sg.full_optim_state_dict(model, opt)}
+
+
+def test_an_fsdp2_run_resumes_from_the_converted_checkpoint(checkpoints, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d, result = checkpoints[3]
+    out = str(tmp_path / "ckpt")
+    sg.checkpoint_from_zero(d, out)
+    res = dist_harness.run("tests.test_deepspeed:_resume_fsdp2", 2, path=out)
+    assert not diff_state_dicts(res[0]["sd"], _expected(result), order=False)
+    osd = res[0]["osd"]
+    oracle = result["__oracle__"]
+    assert set(osd["state"]) == set(oracle["param"])
+    for n, state in osd["state"].items():
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[s], oracle[s][n]), (n, s)

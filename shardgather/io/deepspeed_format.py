@@ -81,7 +81,7 @@ class ZeroCheckpoint:
     groups: list[list[str]]  # the trainable names of each optimizer param group
     param_groups: list[dict[str, Any]]  # rank 0's hyperparameters (no "params")
     states: dict[str, dict[str, StoredTensor]] = field(default_factory=dict)  # state -> name ->
-    steps: list[Any] = field(default_factory=list)  # per param group: its "step" reference
+    step: torch.Tensor | int | float | None = None  # the optimizer's step count, if one
 
     def sources(self) -> dict[str, StoredTensor]:
         """Every name, tied aliases included (sharing their tensor's description)."""
@@ -272,7 +272,14 @@ class _Flat:
     """One rank's tensors laid end to end (its flat groups), located in its file: maps
     a range of the concatenation to file runs."""
 
-    def __init__(self, archive: Archive, refs: list[TensorRef], what: str) -> None:
+    def __init__(
+        self,
+        archive: Archive,
+        refs: list[TensorRef],
+        what: str,
+        lengths: list[int] | None = None,
+    ) -> None:
+        """``lengths``: use only that many leading elements of each tensor."""
         extents, pos = [], 0
         dtypes = {r.dtype for r in refs}
         if len(dtypes) > 1:
@@ -284,11 +291,12 @@ class _Flat:
         for i, ref in enumerate(refs):
             if len(ref.size) != 1:
                 raise CheckpointError(f"{archive.where}: {what}[{i}] is not flat: {list(ref.size)}")
-            self.lengths.append(ref.numel)
-            if ref.numel:
+            n = ref.numel if lengths is None else lengths[i]
+            self.lengths.append(n)
+            if n:
                 at = archive.locate(ref, f"{what}[{i}]")
-                extents.append(Extent(archive.path, pos, ref.numel, at))
-            pos += ref.numel
+                extents.append(Extent(archive.path, pos, n, at))
+            pos += n
         self.numel = pos
         self.stored = StoredTensor(f"{archive.where}: {what}", self.dtype, (pos,), extents)
 
@@ -542,7 +550,7 @@ def _optimizer_states(
     by parameter name; each group's ``step``."""
     per_rank: list[dict[str, list[TensorRef]]] = []
     steps: list[Any] = []
-    for r, (_, osd) in enumerate(parts):
+    for r, (archive, osd) in enumerate(parts):
         inner = osd.get("optimizer_state_dict" if ckpt.stage == 3 else "base_optimizer_state")
         state = inner.get("state") if isinstance(inner, dict) else None
         if not isinstance(state, dict) or not state:
@@ -553,10 +561,12 @@ def _optimizer_states(
             if not isinstance(entry, dict):
                 return
             for k, v in entry.items():
-                if isinstance(v, TensorRef) and len(v.size) == 1 and v.numel == length:
+                # DeepSpeed saves the last rank's fp32 partition without its padding,
+                # but not its optimizer states: they may be longer; the tail is padding.
+                if isinstance(v, TensorRef) and len(v.size) == 1 and v.numel >= length > 0:
                     found.setdefault(k, []).append(v)
                 elif k == "step" and r == 0:
-                    steps.append(v)
+                    steps.append(_scalar(archive, v))
         per_rank.append({k: v for k, v in found.items() if len(v) == len(flats[r].lengths)})
     names = set(per_rank[0])
     if any(set(p) != names for p in per_rank):
@@ -564,7 +574,12 @@ def _optimizer_states(
     shapes = {k: s for g in groups for k, s in g.items()}
     for state_name in sorted(names):
         state_flats = [
-            _Flat(archive, per_rank[r][state_name], f"optimizer state {state_name!r}")
+            _Flat(
+                archive,
+                per_rank[r][state_name],
+                f"optimizer state {state_name!r}",
+                lengths=flats[r].lengths,
+            )
             for r, (archive, _) in enumerate(parts)
         ]
         if ckpt.stage == 3:
@@ -575,4 +590,21 @@ def _optimizer_states(
             n: StoredTensor(n, state_flats[0].dtype, shape, runs)
             for n, (runs, shape) in where.items()
         }
-    ckpt.steps = steps
+    if steps and all(_equal(x, steps[0]) for x in steps):
+        ckpt.step = steps[0]
+
+
+def _scalar(archive: Archive, v: Any) -> Any:
+    """A scalar state (``step``): a number, or a 0-d tensor read from its record."""
+    if not isinstance(v, TensorRef):
+        return v
+    if v.numel != 1:
+        raise CheckpointError(f"{archive.where}: a step of shape {list(v.size)}")
+    raw = os.pread(archive.fd, v.dtype.itemsize, archive.locate(v, "step"))
+    return torch.frombuffer(bytearray(raw), dtype=v.dtype).reshape(v.size).clone()
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
