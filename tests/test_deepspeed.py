@@ -346,3 +346,54 @@ def test_an_fsdp2_run_resumes_from_the_converted_checkpoint(checkpoints, tmp_pat
     for n, state in osd["state"].items():
         for s in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[s], oracle[s][n]), (n, s)
+
+
+# ------------------------------------------------------------------ online (a live engine)
+
+
+def _online(rank: int, world: int, out: str) -> dict:
+    deepspeed = _deepspeed()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from shardgather import _dist
+
+    torch.manual_seed(0)
+    model = DSModel()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randint(0, 50, (2, 7), generator=gen)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned
+    got = sg.full_state_dict(engine)
+    before = dict(_dist.STATS)
+    path = os.path.join(out, "online.safetensors")
+    sg.save_full_state_dict(engine, path)
+    moved = {k: _dist.STATS[k] - before[k] for k in ("bytes_received", "bytes_sent", "gathers")}
+    try:
+        sg.load_full_state_dict(engine, path)
+        refused = ""
+    except sg.UnsupportedModelError as exc:
+        refused = str(exc)
+    want = engine._zero3_consolidated_16bit_state_dict()  # DeepSpeed's own, rank 0
+    return {"got": got, "want": dict(want or {}), "moved": moved, "refused": refused}
+
+
+def test_a_live_zero3_engine_exports_without_gathering_onto_rank0(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("deepspeed")
+    res = dist_harness.run("tests.test_deepspeed:_online", 2, timeout=240, out=str(tmp_path))
+    want = res[0]["want"]
+    assert not diff_state_dicts(res[0]["got"], want, order=False)
+    assert res[1]["got"] == {}
+    file = sg.load_file(tmp_path / "online.safetensors")
+    assert not diff_state_dicts(file, want, order=False)
+    assert file["head.weight"].data_ptr() == file["emb.weight"].data_ptr()
+    # Each rank wrote its own slices (node-local): nothing travelled, no collective.
+    assert all(set(r["moved"].values()) == {0} for r in res), [r["moved"] for r in res]
+    assert all("ZeRO-3 partition" in r["refused"] for r in res)

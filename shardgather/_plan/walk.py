@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import dtensor, fsdp1, fsdp2
+from . import dtensor, fsdp1, fsdp2, zero3
 from .subset import KeySelection, select
 from .types import (
     Entry,
@@ -123,6 +123,15 @@ def build_plan(
                 continue
             p = mod._parameters[name]
             assert p is not None
+            if zero3.is_partitioned(p):
+
+                def make3(p=p, key=key) -> Entry:
+                    shape = zero3.shape_of(p)
+                    src = zero3.source_of(p, key, sources)
+                    return Entry(key, shape, contiguous_stride(shape), src.dtype, src, 0)
+
+                add(key, ("zero3", id(p)), make3, bool(p.requires_grad))
+                continue
             fp = fsdp2_params.get((id(mod), name))
             if fp is not None:
 
@@ -228,5 +237,6 @@ def reshard_for_load(model: nn.Module) -> None:
     of gathering the shards, so weights loaded into the shards would be silently
     ignored until the next backward. No collective: resharding only frees memory.
     """
+    zero3.refuse_load(model)
     fsdp2.reshard(model)
     fsdp1.reshard(model)

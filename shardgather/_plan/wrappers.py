@@ -23,6 +23,10 @@ def wrapper_child_name(module: nn.Module) -> str | None:
         pass
     if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         return "module"
+    if type(module).__name__ == "DeepSpeedEngine" and isinstance(
+        getattr(module, "module", None), nn.Module
+    ):
+        return "module"  # its state_dict is its module's (no import of deepspeed here)
     opt_cls = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     opt_cls = getattr(opt_cls, "OptimizedModule", None)
     if opt_cls is not None and isinstance(module, opt_cls):
