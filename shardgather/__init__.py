@@ -39,23 +39,29 @@ from .api import (
     save_full_state_dict,
 )
 from .checkpoint import checkpoint_from_zero, load_checkpoint, save_checkpoint
-from .stream import Gatherer, iter_full_tensors
+from .stream import Gatherer, PackedBucket, iter_full_tensors
+from .weight_sync import ConsumerError, WeightReceiver, WeightSender, connect_sync_group
 
 __all__ = [
     "AsyncSave",
     "BuildError",
     "CheckpointError",
     "CollectiveError",
+    "ConsumerError",
     "Gatherer",
     "LoadResult",
+    "PackedBucket",
     "ShardGatherError",
     "StateDictMismatchError",
     "Transport",
     "UnsupportedModelError",
+    "WeightReceiver",
+    "WeightSender",
     "adapter_keys",
     "build_info",
     "checkpoint_from_zero",
     "clean_fqn",
+    "connect_sync_group",
     "full_optim_state_dict",
     "full_state_dict",
     "iter_full_tensors",

@@ -6,6 +6,10 @@ Two verbs on one object, :class:`Gatherer`, which holds what repeated calls reus
 - :meth:`Gatherer.iter_full_tensors` yields ``(key, full tensor)`` bucket by bucket —
   one collective per bucket, the next one in flight while the consumer handles the
   current one — copied out of the gathered bucket into one reused slab.
+- :meth:`Gatherer.iter_packed` yields the same buckets packed: one flat byte buffer per
+  bucket, its full tensors back to back (64-byte aligned) with their names, shapes,
+  dtypes, offsets and sizes — what a packed weight transfer (vLLM's) sends as one
+  message; :mod:`shardgather.weight_sync` sends them to an inference engine.
 - :meth:`Gatherer.full_state_dict` returns the same dict every call, written in place:
   on one host into the same shared-memory regions (kept open, so their pages are
   already faulted in and no hand-off is needed), else into the same tensors.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,10 +31,50 @@ from ._engine import run
 from ._engine.node_local import Regions
 from ._engine.sinks import HostDict, StreamSink
 from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
-from ._plan import build_plan
+from ._plan import GatherPlan, build_plan
 from ._plan.subset import KeySelection
 from .api import merge_transform, with_aliases
 from .errors import CollectiveError, ShardGatherError
+
+
+@dataclass
+class PackedBucket:
+    """Full tensors back to back in one flat byte buffer, each at a 64-byte aligned
+    offset: one message of a packed weight transfer. ``buffer`` is reused by the
+    gatherer: valid until the next bucket is asked for."""
+
+    buffer: torch.Tensor  # uint8, 1-D
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    offsets: list[int]  # bytes, into buffer
+    sizes: list[int]  # bytes
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, view into buffer)`` for each tensor."""
+        return [
+            (n, self.buffer[o : o + z].view(d).view(s))
+            for n, s, d, o, z in zip(self.names, self.shapes, self.dtypes, self.offsets, self.sizes)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+def _packed(
+    buffer: torch.Tensor, layout: dict[str, int], used: int, plan: GatherPlan
+) -> PackedBucket:
+    keys = sorted(layout, key=layout.__getitem__)
+    es = [plan.entries[k] for k in keys]
+    return PackedBucket(
+        buffer[:used],
+        keys,
+        [tuple(e.shape) for e in es],
+        [e.target_dtype for e in es],
+        [layout[k] for k in keys],
+        [e.nbytes for e in es],
+    )
 
 
 class Gatherer:
@@ -92,6 +137,7 @@ class Gatherer:
         self._outputs: dict[str, torch.Tensor] | None = None  # the dict verb's
         self._key: str | None = None  # plan fingerprint of _outputs
         self._sink = StreamSink(torch.device("cpu"))
+        self._whole_slab: torch.Tensor | None = None  # iter_packed's, for whole tensors
 
     # ------------------------------------------------------------------------ dict
 
@@ -186,11 +232,111 @@ class Gatherer:
             finally:
                 sink.stop()
 
+    def iter_packed(self, *, device: torch.device | str = "cpu") -> Iterator[PackedBucket]:
+        """Yield the model's full tensors as :class:`PackedBucket` s, bucket by bucket.
+
+        The copy-out op writes each gathered bucket's complete tensors straight from the
+        gathered rows into one reused slab, back to back (cast if the gatherer has a
+        ``dtype``): no intermediate full tensors, no ``torch.cat``. A tensor spread over
+        several gathers comes as a bucket of its own once complete; tensors every rank
+        holds whole (buffers, unsharded parameters) are packed first, in buckets of at
+        most ``bucket_mb``. As :meth:`iter_full_tensors`: every rank iterates in
+        lockstep, the gather of the next bucket is in flight while the consumer handles
+        this one (two buffers: gathered rows and the slab), ``rank0_only`` ranks yield
+        nothing, tied weights come once, and a buffer is valid until the next one is
+        asked for.
+        """
+        opts = self.options
+        merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
+        with Call("iter_packed", opts.timeout) as call:
+            if opts.transport == Transport.NODE_LOCAL:
+                raise ShardGatherError("iter_packed moves buckets: use transport 'auto'")
+            plan = merge(build_plan(self.model, dtype=opts.dtype, keys=self.keys))
+            yield from self.packed(call, plan, device)
+
+    def packed(
+        self, call: Call, plan: GatherPlan, device: torch.device | str = "cpu"
+    ) -> Iterator[PackedBucket]:
+        """:meth:`iter_packed` of ``plan`` within ``call`` (a verb built on it: the
+        weight sender)."""
+        opts = self.options
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._sink.device != device:
+            self._sink = StreamSink(device)
+        sink = self._sink
+        local = {k for k, e in plan.entries.items() if e.source.group is None}
+        limit = opts.bucket_bytes(device.type == "cuda")
+        held: list[tuple[str, torch.Tensor]] = []
+        pending: set[str] = set()
+        sink.start(False)
+        try:
+            for key, t in run.stream(call, plan, opts, sink.write_rows, sink.write_whole):
+                if key in local:
+                    held.append((key, t))
+                    continue
+                if held:
+                    yield from self._pack_whole(held, plan, limit, device)
+                    held = []
+                if key in sink.layout:
+                    pending.add(key)
+                    if len(pending) == len(sink.layout):
+                        yield _packed(sink.slab, sink.layout, sink.used, plan)
+                        pending = set()
+                    continue
+                e = plan.entries[key]
+                flat = t.reshape(-1).view(torch.uint8)
+                yield PackedBucket(flat, [key], [tuple(e.shape)], [e.target_dtype], [0], [e.nbytes])
+                sink.handed_over(key)
+            if held:
+                yield from self._pack_whole(held, plan, limit, device)
+        except GeneratorExit:
+            call.fail(CollectiveError("stopped before the end of the stream (see its error)"))
+            raise
+        finally:
+            sink.stop()
+
+    def _pack_whole(
+        self,
+        held: list[tuple[str, torch.Tensor]],
+        plan: GatherPlan,
+        limit: int,
+        device: torch.device,
+    ) -> Iterator[PackedBucket]:
+        """Tensors every rank holds whole, packed into a slab of their own (reused)."""
+        align = StreamSink.ALIGN
+        i = 0
+        while i < len(held):
+            layout: dict[str, int] = {}
+            placed: list[tuple[torch.Tensor, int]] = []
+            size = 0
+            while i < len(held):
+                key, t = held[i]
+                at = (size + align - 1) // align * align
+                if layout and at + t.numel() * t.element_size() > limit:
+                    break
+                layout[key] = at
+                placed.append((t, at))
+                size = at + t.numel() * t.element_size()
+                i += 1
+            if (
+                self._whole_slab is None
+                or self._whole_slab.numel() < size
+                or (self._whole_slab.device != device)
+            ):
+                self._whole_slab = torch.empty(size, dtype=torch.uint8, device=device)
+            for t, at in placed:
+                dst = self._whole_slab[at : at + t.numel() * t.element_size()]
+                dst.view(t.dtype).view(t.shape).copy_(t)
+            yield _packed(self._whole_slab, layout, size, plan)
+
     def close(self) -> None:
         """Release what the gatherer holds (shared regions, slabs, kept tensors)."""
         self._held.close()
         self._outputs, self._key = None, None
         self._sink.close()
+        self._whole_slab = None
 
     def __enter__(self) -> Gatherer:
         return self

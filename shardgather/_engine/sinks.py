@@ -470,6 +470,10 @@ class StreamSink:
         self.owned = False
         self._dest: dict[str, torch.Tensor] = {}  # spread entries begun, not complete
         self._left: dict[str, int] = {}  # their elements still to come
+        # The last bucket's entries in the slab: key -> byte offset, and the bytes used
+        # (the packed verb hands the slab over as one buffer).
+        self.layout: dict[str, int] = {}
+        self.used = 0
 
     def start(self, owned: bool) -> None:
         self.owned = owned
@@ -536,6 +540,7 @@ class StreamSink:
             if self.slab.numel() < size:
                 self.slab = torch.empty(0, dtype=torch.uint8)  # free before allocating
                 self.slab = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.layout, self.used = layout, size
         fulls: list[torch.Tensor] = []
         index: dict[str, int] = {}
         segs: list[L.Segment] = []
