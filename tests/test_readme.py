@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,18 @@ def readme_blocks() -> list[str]:
 
 
 def example_blocks(path: Path) -> list[str]:
+    """The marked blocks, dedented: a script that plays two roles (a trainer and the
+    inference worker it starts) holds one of them under an ``if``."""
     text = path.read_text()
-    return [text[m.end() : text.index(END, m.end())] for m in START.finditer(text)]
+    starts = re.finditer(r"^[ ]*# --- README block[^\n]*---\n", text, flags=re.M)
+    return [
+        textwrap.dedent(
+            text[
+                m.end() : re.compile(r"^[ ]*" + re.escape(END), re.M).search(text, m.end()).start()
+            ]
+        )
+        for m in starts
+    ]
 
 
 def test_every_readme_recipe_is_an_example_and_every_example_is_in_the_readme() -> None:
