@@ -1,4 +1,4 @@
-# ruff: noqa: E402
+# ruff: noqa: E402, B007
 """The README's sync-into-an-inference-process recipe, as pasted: a policy trained with
 FSDP2 on 2 CPU processes sends its weights after every step to an inference worker — a
 process of its own (started here by rank 0), holding a plain bf16 copy of the model —
@@ -34,7 +34,6 @@ if "--inference-worker" in sys.argv:  # the inference side, in its own process
 from _setup import finish, same, start, tiny_llama
 
 rank = start()
-import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 model, _ = tiny_llama()  # your policy
