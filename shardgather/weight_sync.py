@@ -44,6 +44,7 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,6 +234,7 @@ class WeightSender:
         )
         self._delta: _Delta | None = None  # set by a full sync the receivers can extend
         self._fingerprint = ""  # of the layout the receivers hold
+        self._metas: dict[int, bytes] = {}  # each bucket's contents, as the receivers have them
 
     def sync(self, *, full: bool = False) -> dict[str, Any]:
         """Send the weights now (every trainer rank). ``full``: send everything even if
@@ -244,7 +246,8 @@ class WeightSender:
             try:
                 return self._sync(call, full)
             except BaseException:
-                self._delta, self._fingerprint = None, ""  # the receivers' state is unknown
+                # The receivers' state is unknown: the next sync starts over.
+                self._delta, self._fingerprint, self._metas = None, "", {}
                 raise
 
     def _sync(self, call: Call, full: bool) -> dict[str, Any]:
@@ -288,15 +291,20 @@ class WeightSender:
 
     def _send_full(self, call: Call, plan: GatherPlan, keys: set[str] | None = None) -> None:
         sub = plan if keys is None else _subset(plan, keys)
-        for pb in self.gatherer.packed(call, sub):
+        for i, pb in enumerate(self.gatherer.packed(call, sub)):
             if self.wire is not None:
-                self._send_bucket(pb)
+                self._send_bucket(pb, i + (0 if keys is None else 1 << 20))
 
-    def _send_bucket(self, pb: PackedBucket) -> None:
+    def _send_bucket(self, pb: PackedBucket, i: int) -> None:
+        """Bucket ``i`` of this sync: its contents (names, offsets, sizes) only where they
+        differ from bucket ``i`` of the last sync (receivers keep them), then its bytes."""
         assert self.wire is not None
         meta = json.dumps([[n, o, z] for n, o, z in zip(pb.names, pb.offsets, pb.sizes)]).encode()
-        self.wire.header(BUCKET, len(meta), pb.nbytes)
-        self.wire.blob(meta)
+        same = self._metas.get(i) == meta
+        self.wire.header(BUCKET, 0 if same else len(meta), pb.nbytes, i)
+        if not same:
+            self.wire.blob(meta)
+            self._metas[i] = meta
         self.wire.bcast(pb.buffer, "a bucket")
 
     # -------------------------------------------------------------- delta
@@ -319,8 +327,13 @@ class WeightSender:
                         k, positions[k] + b.full, src, b.shard - src.rank * src.row_numel, b.numel
                     )
                 )
+        old = self._delta.reference if self._delta is not None else {}
         for dt, pieces in d.pieces.items():
-            d.reference[dt] = _current(pieces, dt)
+            n = sum(p.numel for p in pieces)
+            ref = old.get(dt)
+            if ref is None or ref.numel() != n:  # else reused: its pages are already there
+                ref = torch.empty(n, dtype=dt)
+            d.reference[dt] = _current(pieces, dt, ref)
         return d
 
     def _send_delta(self, call: Call, plan: GatherPlan) -> int:
@@ -334,12 +347,9 @@ class WeightSender:
         changed = 0
         for dt, pieces in self._delta.pieces.items():
             ref = self._delta.reference[dt]
-            cur = _current(pieces, dt)
-            bits = _BITS[dt.itemsize]
-            where = torch.nonzero(cur.view(bits) != ref.view(bits)).reshape(-1)
-            changed += where.numel()
-            ref[where] = cur[where]
-            messages.append(_encode(pieces, cur, where, dt))
+            positions, values = _changes(pieces, ref, dt)
+            changed += values.numel()
+            messages.append(_encode(pieces, ref, positions, values, dt))
         descriptors = [
             (m[0], m[1], m[2].numel(), m[2].element_size(), m[3].numel()) for m in messages
         ]
@@ -397,38 +407,70 @@ def _deltable(e: Any, call: Call) -> bool:
     return all(b.contiguous for b in own_blocks(e))
 
 
-def _current(pieces: list[_Piece], dt: torch.dtype) -> torch.Tensor:
-    """This rank's own elements of ``pieces``, concatenated, cast to ``dt``."""
-    out = torch.empty(sum(p.numel for p in pieces), dtype=dt)
-    at = 0
+_CHUNK = 1 << 22  # elements compared at a time: cast copies stay small and in cache
+
+
+def _rows(pieces: list[_Piece]):  # type: ignore[no-untyped-def]
+    """(piece, its elements in this rank's row, where it starts in the concatenation),
+    cut in chunks of at most _CHUNK elements."""
     rows: dict[int, torch.Tensor] = {}
+    at = 0
     for p in pieces:
         row = rows.get(p.source.index)
         if row is None:
             row = rows[p.source.index] = p.source.local().reshape(-1)
-        out[at : at + p.numel].copy_(row[p.row_offset : p.row_offset + p.numel])
+        for a in range(0, p.numel, _CHUNK):
+            n = min(_CHUNK, p.numel - a)
+            yield p, a, row[p.row_offset + a : p.row_offset + a + n], at + a
         at += p.numel
+
+
+def _current(pieces: list[_Piece], dt: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements of ``pieces``, concatenated into ``out``, cast to ``dt``."""
+    for _, _, src, at in _rows(pieces):
+        out[at : at + src.numel()].copy_(src)
     return out
 
 
-def _encode(
-    pieces: list[_Piece], cur: torch.Tensor, where: torch.Tensor, dt: torch.dtype
-) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """The changed elements as (positions, values), or every own element as runs
-    ``(position, count)`` + values where that is smaller."""
-    starts = torch.tensor([p.position for p in pieces], dtype=torch.int64)
-    firsts = torch.tensor([0] + [p.numel for p in pieces], dtype=torch.int64).cumsum(0)[:-1]
+def _changes(
+    pieces: list[_Piece], ref: torch.Tensor, dt: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elements of ``pieces`` whose value in ``dt`` differs (bitwise) from ``ref``:
+    their positions in the layout and new values; ``ref`` takes the new values."""
+    bits = _BITS[dt.itemsize]
     last = max((p.position + p.numel for p in pieces), default=0)
     index_dtype = torch.int32 if last < 2**31 else torch.int64
-    sparse = where.numel() * (index_dtype.itemsize + dt.itemsize)
-    dense = cur.numel() * dt.itemsize + 16 * len(pieces)
+    positions, values = [], []
+    for p, a, src, at in _rows(pieces):
+        cur = src.to(dt)
+        old = ref[at : at + cur.numel()]
+        idx = torch.nonzero(cur.view(bits) != old.view(bits)).reshape(-1)
+        if idx.numel():
+            new = cur[idx]
+            old[idx] = new
+            positions.append((idx + (p.position + a)).to(index_dtype))
+            values.append(new)
+    if not values:
+        return torch.empty(0, dtype=index_dtype), torch.empty(0, dtype=dt)
+    return torch.cat(positions), torch.cat(values)
+
+
+def _encode(
+    pieces: list[_Piece],
+    ref: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    dt: torch.dtype,
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The changed elements as (positions, values), or — where that is larger — every
+    own element as runs ``(position, count)`` + values (``ref``, now the current values)."""
+    sparse = values.numel() * (positions.element_size() + dt.itemsize)
+    dense = ref.numel() * dt.itemsize + 16 * len(pieces)
     code = _DTYPES.index(dt)
     if sparse <= dense:
-        piece = torch.searchsorted(firsts, where, right=True) - 1
-        positions = (starts[piece] + (where - firsts[piece])).to(index_dtype)
-        return code, 0, positions, cur[where]
-    runs = torch.stack([starts, torch.tensor([p.numel for p in pieces])], 1).reshape(-1)
-    return code, 1, runs, cur
+        return code, 0, positions, values
+    runs = torch.tensor([[p.position, p.numel] for p in pieces], dtype=torch.int64).reshape(-1)
+    return code, 1, runs, ref
 
 
 # ------------------------------------------------------------------------ the receiver
@@ -461,7 +503,9 @@ class WeightReceiver:
         self.on_weights = on_weights
         self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._starts = torch.zeros(0, dtype=torch.int64)
-        self._buffers = [torch.empty(0, dtype=torch.uint8)]
+        self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
+        self._applier: ThreadPoolExecutor | None = None
+        self._metas: dict[int, Any] = {}  # each bucket's contents, as last sent
 
     def receive(self) -> dict[str, Any]:
         """One sync: returns ``mode`` and ``bytes`` received. Raises
@@ -485,21 +529,41 @@ class WeightReceiver:
         if code:
             raise ConsumerError("weight sync: another receiver refused the layout")
         failure: BaseException | None = None
+        pending: Future | None = None  # the apply of the previous bucket
+        turn = 0
+
+        def settle() -> None:
+            nonlocal pending, failure
+            if pending is not None:
+                try:
+                    pending.result()
+                except Exception as exc:  # the consumer's own failure: drain, then report
+                    failure = failure or exc
+                pending = None
+
         while True:
             kind, a, b, c, d, e = self.wire.read_header()
             if kind == END:
                 break
-            try:
-                if kind == BUCKET:
-                    self._bucket(a, b, failure is None)
-                elif kind == DELTA:
+            if kind == BUCKET:
+                # Two buffers: bucket k is applied (copied into target, handed to
+                # on_weights) on a thread while bucket k+1 arrives in the other one.
+                meta, buf = self._receive_bucket(a, b, c, turn)
+                turn ^= 1
+                settle()
+                if failure is None:
+                    pending = self._pool().submit(self._apply_bucket, meta, buf)
+            elif kind == DELTA:
+                settle()
+                try:
                     self._delta(a, b, c, d, e, failure is None)
-                else:
-                    raise ConsumerError(f"weight sync: unexpected message {kind}")
-            except ConsumerError:
-                raise
-            except Exception as exc:  # the consumer's own failure: drain, then report
-                failure = failure or exc
+                except ConsumerError:
+                    raise
+                except Exception as exc:
+                    failure = failure or exc
+            else:
+                raise ConsumerError(f"weight sync: unexpected message {kind}")
+        settle()
         self.wire.verdict(2 if failure else 0, 0)
         if failure is not None:
             raise failure
@@ -528,18 +592,25 @@ class WeightReceiver:
         self._starts = torch.tensor([0, *numels], dtype=torch.int64).cumsum(0)
         self._index = {n: i for i, (n, _, _) in enumerate(layout)}
 
-    def _buffer(self, n: int) -> torch.Tensor:
-        if self._buffers[0].numel() < n:
-            self._buffers[0] = torch.empty(0, dtype=torch.uint8)
-            self._buffers[0] = torch.empty(n, dtype=torch.uint8)
-        return self._buffers[0][:n]
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._applier is None:
+            self._applier = ThreadPoolExecutor(1, thread_name_prefix="sg-weight-apply")
+        return self._applier
 
-    def _bucket(self, meta_len: int, nbytes: int, apply: bool) -> None:
-        meta = json.loads(self.wire.blob(None, meta_len))
-        buf = self._buffer(nbytes)
+    def _receive_bucket(
+        self, meta_len: int, nbytes: int, index: int, turn: int
+    ) -> tuple[Any, torch.Tensor]:
+        if meta_len:
+            self._metas[index] = json.loads(self.wire.blob(None, meta_len))
+        meta = self._metas[index]
+        if self._buffers[turn].numel() < nbytes:
+            self._buffers[turn] = torch.empty(0, dtype=torch.uint8)
+            self._buffers[turn] = torch.empty(nbytes, dtype=torch.uint8)
+        buf = self._buffers[turn][:nbytes]
         self.wire.bcast(buf, "a bucket")
-        if not apply:
-            return
+        return meta, buf
+
+    def _apply_bucket(self, meta: Any, buf: torch.Tensor) -> None:
         batch = []
         for name, offset, size in meta:
             _, shape, dtype = self.layout[self._index[name]]
@@ -549,6 +620,12 @@ class WeightReceiver:
             batch.append((name, t))
         if self.on_weights is not None:
             self.on_weights(batch)
+
+    def close(self) -> None:
+        if self._applier is not None:
+            self._applier.shutdown()
+            self._applier = None
+        self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
 
     def _delta(
         self, dt_code: int, dense: int, n_index: int, index_size: int, n_values: int, apply: bool
