@@ -79,12 +79,12 @@ if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
     os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
 arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
 
-sources = ["csrc/ops.cpp", "csrc/segments.cpp", "csrc/cpu/copy_cpu.cpp"]
+sources = ["csrc/ops.cpp", "csrc/segments.cpp", "csrc/cpu/copy_cpu.cpp", "csrc/cpu/diff_cpu.cpp"]
 cxx_flags = ["-O3"]
 extra = {"cxx": cxx_flags}
 define_macros = []
 if with_cuda:
-    sources.append("csrc/cuda/copy_cuda.cu")
+    sources += ["csrc/cuda/copy_cuda.cu", "csrc/cuda/diff_cuda.cu"]
     extra["nvcc"] = ["-O3", "--expt-relaxed-constexpr"]
     define_macros.append(("SHARDGATHER_WITH_CUDA", None))
 

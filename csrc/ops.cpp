@@ -12,6 +12,14 @@ TORCH_LIBRARY(shardgather, m) {
   m.def("copy_out(Tensor shards, int first_row, Tensor segments, Tensor(a!)[] fulls) -> ()");
   // Full tensors -> shards: the exact inverse of copy_out (padding is not written).
   m.def("copy_in(Tensor[] fulls, Tensor segments, Tensor(a!) shards, int first_row) -> ()");
+  // Delta of a weight sync: `src` (a rank's own elements, 1-D) cast to `ref`'s dtype and
+  // compared bitwise with `ref` (what was last sent); every element that differs is
+  // written into `ref`, and the first `positions.numel()` of them recorded as
+  // (`base` + index) in `positions` (int32/int64) and their new value in `values`.
+  // `count` (int64 [1], CPU) takes how many differed (possibly more than were recorded).
+  m.def(
+      "diff_update(Tensor src, Tensor(a!) ref, Tensor(b!) positions, Tensor(c!) values, "
+      "Tensor(d!) count, int base) -> ()");
 }
 
 namespace {

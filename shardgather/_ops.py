@@ -42,6 +42,25 @@ def copy_in(
         _reference.copy_in(fulls, segments, shards, first_row)
 
 
+def diff_update(
+    src: torch.Tensor,
+    ref: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    base: int,
+) -> int:
+    """The weight-sync delta of one chunk: ``src`` cast to ``ref``'s dtype, compared
+    bitwise with ``ref``; differing elements are written into ``ref`` and the first
+    ``positions.numel()`` of them recorded (``base + index``, new value). Returns how
+    many differed."""
+    count = torch.zeros(1, dtype=torch.int64)
+    if _lib.require_compiled():
+        torch.ops.shardgather.diff_update(src, ref, positions, values, count, base)
+    else:
+        _reference.diff_update(src, ref, positions, values, count, base)
+    return int(count[0])
+
+
 def _register_fakes() -> None:
     # Out-variant ops return nothing: their fake (meta) kernels only need to exist,
     # so the ops trace under torch.compile / FakeTensor (checked by opcheck).
@@ -54,6 +73,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("shardgather::copy_in")
     def _copy_in_fake(fulls, segments, shards, first_row):  # type: ignore[no-untyped-def]
+        return None
+
+    @torch.library.register_fake("shardgather::diff_update")
+    def _diff_update_fake(src, ref, positions, values, count, base):  # type: ignore[no-untyped-def]
         return None
 
 

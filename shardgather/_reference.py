@@ -83,3 +83,22 @@ def copy_in(
         raw = full[src.reshape(-1)].view(-1, fsize).to(shards.device)
         vals = _to_bytes(_convert(_as_kind(raw, fk), fk, sk), sk)
         flat_shards[(addr[:, None] + torch.arange(ssize)).reshape(-1)] = vals.reshape(-1)
+
+
+def diff_update(
+    src: torch.Tensor,
+    ref: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    count: torch.Tensor,
+    base: int,
+) -> None:
+    """What ``shardgather::diff_update`` computes, in plain torch."""
+    bits = {2: torch.int16, 4: torch.int32}[ref.element_size()]
+    cur = src.to(ref.dtype)
+    idx = torch.nonzero(cur.view(bits) != ref.view(bits)).reshape(-1)
+    ref[idx] = cur[idx]
+    m = min(idx.numel(), positions.numel())
+    positions[:m] = (idx[:m] + base).to(positions.dtype)
+    values[:m] = cur[idx[:m]]
+    count[0] = idx.numel()

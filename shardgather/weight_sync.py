@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _dist
+from . import _dist, _ops
 from ._dist import Call
 from ._options import DEFAULT_TIMEOUT, check_model
 from ._plan import GatherPlan, build_plan, own_blocks
@@ -76,6 +76,7 @@ _DTYPES = [
     torch.uint8,
     torch.bool,
 ]
+_DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # diff_update's
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -402,7 +403,9 @@ def _deltable(e: Any, call: Call) -> bool:
     src = e.source
     if src.group is None or not e.target_dtype.is_floating_point or not e.is_contiguous:
         return False
-    if src.world != call.world or e.target_dtype.itemsize not in _BITS:
+    if src.world != call.world or e.target_dtype not in _DELTA_DTYPES:
+        return False
+    if src.dtype not in _DELTA_DTYPES:
         return False
     return all(b.contiguous for b in own_blocks(e))
 
@@ -436,20 +439,22 @@ def _changes(
     pieces: list[_Piece], ref: torch.Tensor, dt: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The elements of ``pieces`` whose value in ``dt`` differs (bitwise) from ``ref``:
-    their positions in the layout and new values; ``ref`` takes the new values."""
-    bits = _BITS[dt.itemsize]
+    their positions in the layout and new values; ``ref`` takes the new values. One pass
+    of the ``diff_update`` op per chunk (cast, compare, update, record)."""
     last = max((p.position + p.numel for p in pieces), default=0)
     index_dtype = torch.int32 if last < 2**31 else torch.int64
+    pos_buf = torch.empty(0, dtype=index_dtype)
+    val_buf = torch.empty(0, dtype=dt)
     positions, values = [], []
     for p, a, src, at in _rows(pieces):
-        cur = src.to(dt)
-        old = ref[at : at + cur.numel()]
-        idx = torch.nonzero(cur.view(bits) != old.view(bits)).reshape(-1)
-        if idx.numel():
-            new = cur[idx]
-            old[idx] = new
-            positions.append((idx + (p.position + a)).to(index_dtype))
-            values.append(new)
+        n = src.numel()
+        if pos_buf.numel() < n:
+            pos_buf = torch.empty(n, dtype=index_dtype)
+            val_buf = torch.empty(n, dtype=dt)
+        k = _ops.diff_update(src, ref[at : at + n], pos_buf[:n], val_buf[:n], p.position + a)
+        if k:
+            positions.append(pos_buf[:k].clone())
+            values.append(val_buf[:k].clone())
     if not values:
         return torch.empty(0, dtype=index_dtype), torch.empty(0, dtype=dt)
     return torch.cat(positions), torch.cat(values)

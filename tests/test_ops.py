@@ -464,3 +464,93 @@ def test_cuda_rejects_pageable_cpu_destination() -> None:
     shards, table, fulls = _good()
     with pytest.raises(RuntimeError, match="pinned CPU"):
         ops.copy_out(shards.cuda(), 0, table, fulls)
+
+
+# ------------------------------------------------------------------ diff_update
+
+
+def _diff_case(src_dt: torch.dtype, ref_dt: torch.dtype, n: int, seed: int):  # type: ignore[no-untyped-def]
+    """A reference as last sent, and the source after a step that changed some values
+    (special values included: a changed sign of zero, NaN, infinities)."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randn(n, generator=g).to(src_dt)
+    ref = src.to(ref_dt)
+    moved = torch.rand(n, generator=g) < 0.2
+    src = torch.where(moved, src + torch.randn(n, generator=g).to(src_dt) * 1e-2, src)
+    if n > 8:
+        src[:4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")]).to(src_dt)
+        ref[:4] = torch.tensor([0.0, 0.0, float("inf"), 1.0]).to(ref_dt)
+    return src, ref
+
+
+@pytest.mark.parametrize("src_dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ref_dt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("index_dt", [torch.int32, torch.int64])
+@pytest.mark.parametrize("cap", ["all", "some", "none"])
+def test_diff_update_matches_reference(src_dt, ref_dt, index_dt, cap) -> None:  # type: ignore[no-untyped-def]
+    src, ref = _diff_case(src_dt, ref_dt, 5003, seed=1)
+    n = {"all": 5003, "some": 17, "none": 0}[cap]
+    got = [ref.clone(), torch.full((n,), -1, dtype=index_dt), torch.zeros(n, dtype=ref_dt)]
+    want = [ref.clone(), torch.full((n,), -1, dtype=index_dt), torch.zeros(n, dtype=ref_dt)]
+    k = _diff(src, *got, 7)
+    k_ref = torch.zeros(1, dtype=torch.int64)
+    _reference.diff_update(src, *want, k_ref, 7)
+    assert k == int(k_ref[0]) > 17
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bitwise (NaN too)
+    # ref now holds src as Tensor.to casts it, bit for bit.
+    assert torch.equal(got[0].view(torch.uint8), src.to(ref_dt).view(torch.uint8))
+    assert _diff(src, got[0], got[1], got[2], 0) == 0  # nothing changed since
+
+
+def _diff(src, ref, positions, values, base) -> int:  # type: ignore[no-untyped-def]
+    count = torch.zeros(1, dtype=torch.int64)
+    ops.diff_update(src, ref, positions, values, count, base)
+    return int(count[0])
+
+
+def test_diff_update_opcheck() -> None:
+    src, ref = _diff_case(torch.float32, torch.bfloat16, 64, seed=2)
+    pos, val = torch.empty(64, dtype=torch.int32), torch.empty(64, dtype=torch.bfloat16)
+    count = torch.zeros(1, dtype=torch.int64)
+    torch.library.opcheck(ops.diff_update.default, (src, ref, pos, val, count, 0))
+
+
+DIFF_BAD = {
+    "count": (lambda s, r, p, v: (s, r, p, v, 0, "int"), "count must be one int64"),
+    "2-d": (lambda s, r, p, v: (s.view(4, 4), r.view(4, 4), p, v, 0), "must be 1-D"),
+    "lengths": (lambda s, r, p, v: (s[:8], r, p, v, 0), "src has 8 elements, ref 16"),
+    "capacities": (lambda s, r, p, v: (s, r, p[:3], v, 0), "positions hold 3"),
+    "index-dtype": (lambda s, r, p, v: (s, r, p.float(), v, 0), "int32 or int64"),
+    "values-dtype": (lambda s, r, p, v: (s, r, p, v.float(), 0), "values must have ref's dtype"),
+    "int32-overflow": (lambda s, r, p, v: (s, r, p, v, 2**31 - 4), "need int64"),
+    "ref-dtype": (lambda s, r, p, v: (s, r.double(), p, v.double(), 0), "ref must be float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(DIFF_BAD))
+def test_diff_update_bad_arguments(case: str) -> None:
+    make, msg = DIFF_BAD[case]
+    args = (
+        torch.randn(16),
+        torch.zeros(16, dtype=torch.bfloat16),
+        torch.empty(16, dtype=torch.int32),
+    )
+    call = make(*args, torch.empty(16, dtype=torch.bfloat16))
+    count = torch.zeros(1, dtype=torch.int32 if call[-1] == "int" else torch.int64)
+    with pytest.raises(RuntimeError, match=f"diff_update: .*{msg}"):
+        ops.diff_update(*call[:4], count, call[4])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ref_dt", [torch.float32, torch.bfloat16])
+def test_cuda_diff_update_matches_cpu(ref_dt: torch.dtype) -> None:
+    src, ref = _diff_case(torch.float32, ref_dt, 100003, seed=3)
+    n = 4000
+    cpu = [ref.clone(), torch.full((n,), -1, dtype=torch.int64), torch.zeros(n, dtype=ref_dt)]
+    gpu = [t.cuda() for t in cpu]
+    assert _diff(src, *cpu, 5) == _diff(src.cuda(), *gpu, 5)
+    assert all(
+        torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)) for a, b in zip(gpu, cpu)
+    )
