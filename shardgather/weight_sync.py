@@ -42,6 +42,7 @@ and every trainer rank raises (the engine's latch), within the timeout.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -338,53 +339,92 @@ class WeightSender:
         return d
 
     def _send_delta(self, call: Call, plan: GatherPlan) -> int:
+        """Every rank's changed elements, chunk by chunk: chunk c of every rank goes to
+        the receivers before chunk c + 1 is read, so a rank holds a chunk or two of
+        delta at a time (a chunk: at most a bucket's bytes, sparse or dense)."""
         assert self._delta is not None
         full_keys = {k for k, e in plan.entries.items() if not _deltable(e, call)}
         if full_keys:
             self._send_full(call, plan, full_keys)
-        messages: list[
-            tuple[int, int, torch.Tensor, torch.Tensor]
-        ] = []  # dtype, dense, index, values
-        changed = 0
-        for dt, pieces in self._delta.pieces.items():
-            ref = self._delta.reference[dt]
-            positions, values = _changes(pieces, ref, dt)
-            changed += values.numel()
-            messages.append(_encode(pieces, ref, positions, values, dt))
-        descriptors = [
-            (m[0], m[1], m[2].numel(), m[2].element_size(), m[3].numel()) for m in messages
-        ]
-        every = call.round("delta sizes", payload=descriptors, gather="to0")
-        call.round("changed", count=changed)
-        total = call.count
+        limit = self.gatherer.options.bucket_bytes(False)
+        mine = list(self._chunks(limit))
+        counts = call.round("delta chunks", payload=len(mine), gather="all")
         group = _dist.data_group(call) if call.world > 1 else None
-        if call.rank != 0:
-            works = []
-            for i, (_, _, index, values) in enumerate(messages):
-                for j, t in enumerate((index, values)):
-                    if t.numel():
-                        works.append(_dist.send(group, t.contiguous(), 0, 2 * i + j))
-            for w in works:
-                call.wait(w, "sending a delta to rank 0", 0)
-        else:
+        changed = 0
+        pending: list[Any] = []  # this rank's sends in flight (and what they send)
+        for c in range(max(counts)):
+            for w in pending:  # before the chunk's scratch is written again
+                call.wait(w[0], "sending a delta to rank 0", 0)
+            pending = []
+            msg = mine[c]() if c < len(mine) else None
+            if msg is not None:
+                changed += msg[4]
+            if call.rank != 0:
+                if msg is not None:
+                    code, dense, _, index, _, values = msg
+                    desc = torch.tensor(
+                        [code, dense, 0, index.element_size(), index.numel()], dtype=torch.int64
+                    )
+                    for j, t in enumerate((desc, index, values)):
+                        if t.numel():
+                            pending.append((_dist.send(group, t, 0, 3 * c + j), t))
+                continue
             assert self.wire is not None
             for r in range(call.world):
-                for i, (dt_code, dense, n_index, index_size, n_values) in enumerate(every[r]):
-                    if r == 0:
-                        index, values = messages[i][2], messages[i][3]
-                    else:
-                        index = torch.empty(n_index, dtype=_BITS[index_size])
-                        values = torch.empty(n_values, dtype=_DTYPES[dt_code])
-                        for j, t in enumerate((index, values)):
-                            if t.numel():
-                                call.wait(_dist.recv(group, t, r, 2 * i + j), "a delta", r)
-                    self.wire.header(DELTA, dt_code, dense, n_index, index_size, n_values)
+                if c >= counts[r]:
+                    continue
+                if r == 0:
+                    assert msg is not None
+                    code, dense, _, _, _, values = msg
+                    index = msg[3]
+                else:
+                    desc = torch.empty(5, dtype=torch.int64)
+                    call.wait(_dist.recv(group, desc, r, 3 * c), "a delta", r)
+                    code, dense, _, size, n_index = desc.tolist()
+                    index = torch.empty(n_index, dtype=_BITS[size])
                     if n_index:
-                        self.wire.bcast(index, "a delta's positions")
+                        call.wait(_dist.recv(group, index, r, 3 * c + 1), "a delta", r)
+                    n_values = n_index if not dense else int(index.view(-1, 2)[:, 1].sum())
+                    values = torch.empty(n_values, dtype=_DTYPES[code])
                     if n_values:
-                        self.wire.bcast(values, "a delta's values")
-        call.round("delta sent")
-        return int(total)
+                        call.wait(_dist.recv(group, values, r, 3 * c + 2), "a delta", r)
+                self.wire.header(
+                    DELTA, code, dense, index.numel(), index.element_size(), values.numel()
+                )
+                if index.numel():
+                    self.wire.bcast(index, "a delta's positions")
+                if values.numel():
+                    self.wire.bcast(values, "a delta's values")
+        for w in pending:
+            call.wait(w[0], "sending a delta to rank 0", 0)
+        call.round("changed", count=changed)
+        return int(call.count)
+
+    def _chunks(self, limit: int):  # type: ignore[no-untyped-def]
+        """This rank's delta as chunks of at most ``limit`` bytes (consecutive pieces
+        together: small tensors share one message): each a callable that compares its
+        elements (updating the reference) and returns (dtype code, dense, 0, positions
+        or runs, changed count, values)."""
+        assert self._delta is not None
+        for dt, pieces in self._delta.pieces.items():
+            ref = self._delta.reference[dt]
+            last = max((p.position + p.numel for p in pieces), default=0)
+            index_dtype = torch.int32 if last < 2**31 else torch.int64
+            step = max(1, limit // dt.itemsize)
+            cap = (step * dt.itemsize) // (index_dtype.itemsize + dt.itemsize)
+            scratch = (torch.empty(cap, dtype=index_dtype), torch.empty(cap, dtype=dt))
+            segs: list[tuple[int, torch.Tensor, int]] = []  # (position, elements, at)
+            size = 0
+            for p, a, src, at in _rows(pieces, step):
+                if size + src.numel() > step and segs:
+                    yield lambda segs=segs, ref=ref, scratch=scratch: _chunk_delta(
+                        segs, ref, scratch
+                    )
+                    segs, size = [], 0
+                segs.append((p.position + a, src, at))
+                size += src.numel()
+            if segs:
+                yield lambda segs=segs, ref=ref, scratch=scratch: _chunk_delta(segs, ref, scratch)
 
     def close(self) -> None:
         self.gatherer.close()
@@ -410,20 +450,17 @@ def _deltable(e: Any, call: Call) -> bool:
     return all(b.contiguous for b in own_blocks(e))
 
 
-_CHUNK = 1 << 22  # elements compared at a time: cast copies stay small and in cache
-
-
-def _rows(pieces: list[_Piece]):  # type: ignore[no-untyped-def]
+def _rows(pieces: list[_Piece], step: int = 1 << 22):  # type: ignore[no-untyped-def]
     """(piece, its elements in this rank's row, where it starts in the concatenation),
-    cut in chunks of at most _CHUNK elements."""
+    cut in chunks of at most ``step`` elements."""
     rows: dict[int, torch.Tensor] = {}
     at = 0
     for p in pieces:
         row = rows.get(p.source.index)
         if row is None:
             row = rows[p.source.index] = p.source.local().reshape(-1)
-        for a in range(0, p.numel, _CHUNK):
-            n = min(_CHUNK, p.numel - a)
+        for a in range(0, p.numel, step):
+            n = min(step, p.numel - a)
             yield p, a, row[p.row_offset + a : p.row_offset + a + n], at + a
         at += p.numel
 
@@ -435,47 +472,31 @@ def _current(pieces: list[_Piece], dt: torch.dtype, out: torch.Tensor) -> torch.
     return out
 
 
-def _changes(
-    pieces: list[_Piece], ref: torch.Tensor, dt: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The elements of ``pieces`` whose value in ``dt`` differs (bitwise) from ``ref``:
-    their positions in the layout and new values; ``ref`` takes the new values. One pass
-    of the ``diff_update`` op per chunk (cast, compare, update, record)."""
-    last = max((p.position + p.numel for p in pieces), default=0)
-    index_dtype = torch.int32 if last < 2**31 else torch.int64
-    pos_buf = torch.empty(0, dtype=index_dtype)
-    val_buf = torch.empty(0, dtype=dt)
-    positions, values = [], []
-    for p, a, src, at in _rows(pieces):
-        n = src.numel()
-        if pos_buf.numel() < n:
-            pos_buf = torch.empty(n, dtype=index_dtype)
-            val_buf = torch.empty(n, dtype=dt)
-        k = _ops.diff_update(src, ref[at : at + n], pos_buf[:n], val_buf[:n], p.position + a)
-        if k:
-            positions.append(pos_buf[:k].clone())
-            values.append(val_buf[:k].clone())
-    if not values:
-        return torch.empty(0, dtype=index_dtype), torch.empty(0, dtype=dt)
-    return torch.cat(positions), torch.cat(values)
-
-
-def _encode(
-    pieces: list[_Piece],
+def _chunk_delta(
+    segs: list[tuple[int, torch.Tensor, int]],
     ref: torch.Tensor,
-    positions: torch.Tensor,
-    values: torch.Tensor,
-    dt: torch.dtype,
-) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """The changed elements as (positions, values), or — where that is larger — every
-    own element as runs ``(position, count)`` + values (``ref``, now the current values)."""
-    sparse = values.numel() * (positions.element_size() + dt.itemsize)
-    dense = ref.numel() * dt.itemsize + 16 * len(pieces)
+    scratch: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[int, int, int, torch.Tensor, int, torch.Tensor]:
+    """One chunk's delta: the ``diff_update`` op compares each segment (a run of a
+    piece, cast to the sent dtype) with ``ref``, updates it, and records (position,
+    value) up to the chunk's break-even count; past it the chunk goes dense: a run
+    ``(position, count)`` per segment and every value (``ref``, now current)."""
+    dt = ref.dtype
+    n = sum(src.numel() for _, src, _ in segs)
+    cap = (n * dt.itemsize) // (scratch[0].element_size() + dt.itemsize)
+    positions, values = scratch[0][:cap], scratch[1][:cap]  # reused chunk to chunk
+    k = 0
+    for position, src, at in segs:
+        room = max(0, cap - k)
+        k += _ops.diff_update(
+            src, ref[at : at + src.numel()], positions[k : k + room], values[k : k + room], position
+        )
     code = _DTYPES.index(dt)
-    if sparse <= dense:
-        return code, 0, positions, values
-    runs = torch.tensor([[p.position, p.numel] for p in pieces], dtype=torch.int64).reshape(-1)
-    return code, 1, runs, ref
+    if k > cap:
+        runs = torch.tensor([[pos, src.numel()] for pos, src, _ in segs], dtype=torch.int64)
+        first = segs[0][2]
+        return code, 1, 0, runs.reshape(-1), k, ref[first : first + n]
+    return code, 0, 0, positions[:k], k, values[:k]
 
 
 # ------------------------------------------------------------------------ the receiver
@@ -511,6 +532,7 @@ class WeightReceiver:
         self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
         self._applier: ThreadPoolExecutor | None = None
         self._metas: dict[int, Any] = {}  # each bucket's contents, as last sent
+        self._deltas: dict[tuple[str, int], torch.Tensor] = {}  # delta buffers, two pairs
 
     def receive(self) -> dict[str, Any]:
         """One sync: returns ``mode`` and ``bytes`` received. Raises
@@ -559,13 +581,13 @@ class WeightReceiver:
                 if failure is None:
                     pending = self._pool().submit(self._apply_bucket, meta, buf)
             elif kind == DELTA:
+                # As buckets: chunk k is written into target on the thread while chunk
+                # k+1 arrives in the other pair of buffers.
+                index, values = self._receive_delta(a, c, d, e, turn)
+                turn ^= 1
                 settle()
-                try:
-                    self._delta(a, b, c, d, e, failure is None)
-                except ConsumerError:
-                    raise
-                except Exception as exc:
-                    failure = failure or exc
+                if failure is None:
+                    pending = self._pool().submit(self._apply_delta, b, index, values)
             else:
                 raise ConsumerError(f"weight sync: unexpected message {kind}")
         settle()
@@ -632,21 +654,29 @@ class WeightReceiver:
             self._applier = None
         self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
 
-    def _delta(
-        self, dt_code: int, dense: int, n_index: int, index_size: int, n_values: int, apply: bool
-    ) -> None:
+    def _receive_delta(
+        self, dt_code: int, n_index: int, index_size: int, n_values: int, turn: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = self._scratch(("index", turn), n_index * index_size).view(_BITS[index_size])
         dt = _DTYPES[dt_code]
-        index = torch.empty(n_index, dtype=_BITS[index_size])
-        values = torch.empty(n_values, dtype=dt)
+        values = self._scratch(("values", turn), n_values * dt.itemsize).view(dt)
         if n_index:
             self.wire.bcast(index, "a delta's positions")
         if n_values:
             self.wire.bcast(values, "a delta's values")
-        if not apply:
-            return
+        return index, values
+
+    def _scratch(self, key: tuple[str, int], nbytes: int) -> torch.Tensor:
+        buf = self._deltas.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._deltas[key] = buf = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def _apply_delta(self, dense: int, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Positions (sorted) + values, or runs ``(position, count)`` + values, written
+        into ``target`` in place."""
         if self.target is None:
             raise ShardGatherError("weight sync: a delta needs a target (the sender was told)")
-        index = index.to(torch.int64)
         if dense:
             at = 0
             for start, count in index.view(-1, 2).tolist():
@@ -658,11 +688,11 @@ class WeightReceiver:
             return
         if not index.numel():
             return
-        which = torch.searchsorted(self._starts, index, right=True) - 1
-        ids, counts = torch.unique_consecutive(which, return_counts=True)
-        at = 0
-        for i, n in zip(ids.tolist(), counts.tolist()):
-            name = self.layout[i][0]
-            flat = self.target[name].view(-1)
-            flat[index[at : at + n] - int(self._starts[i])] = values[at : at + n]
-            at += n
+        # Where each tensor's positions begin: T binary searches into the sorted
+        # positions (not one per position), then one index_copy_ per tensor touched.
+        bounds = torch.searchsorted(index, self._starts.to(index.dtype)).tolist()
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            if b > a:
+                flat = self.target[self.layout[i][0]].view(-1)
+                where = (index[a:b] - int(self._starts[i])).to(torch.int64)
+                flat.index_copy_(0, where, values[a:b])
