@@ -33,9 +33,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model(d: int = 12) -> torch.nn.Module:
+def _model(big: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return TinyLM(d=d, hidden=40)
+    if big:  # 84 M parameters: 336 MB in fp32, 168 MB sent as bf16
+        return TinyLM(d=1024, hidden=4096, n_layers=10)
+    return TinyLM(d=12, hidden=40)
 
 
 def _trainer(rank: int, tmp: str, port: int, kw: dict) -> None:
@@ -52,7 +54,7 @@ def _trainer(rank: int, tmp: str, port: int, kw: dict) -> None:
             world_size=2,
             timeout=datetime.timedelta(seconds=60),
         )
-        out = _train(rank, port, **kw)
+        out = (_train_memory if kw.get("big") else _train)(rank, port, **kw)
     except BaseException as exc:
         out = {"__error__": traceback.format_exc(), "type": type(exc).__name__}
     torch.save(out, f"{tmp}/trainer{rank}.pt")
@@ -105,8 +107,10 @@ def _consumer(tmp: str, port: int, kw: dict) -> None:
     os._exit(0)
 
 
-def _consume(port: int, steps: int, dtype: Any, fail: str = "", **_: Any) -> dict:
-    plain = _model()
+def _consume(
+    port: int, steps: int, dtype: Any, fail: str = "", big: bool = False, **_: Any
+) -> dict:
+    plain = _model(big)
     if dtype is not None:
         plain = plain.to(dtype)
     target = plain.state_dict()
@@ -127,7 +131,8 @@ def _consume(port: int, steps: int, dtype: Any, fail: str = "", **_: Any) -> dic
     seen, stats = [], []
     for _ in range(steps):
         stats.append(receiver.receive())
-        seen.append({k: v.clone() for k, v in plain.state_dict().items()})
+        if not big:
+            seen.append({k: v.clone() for k, v in plain.state_dict().items()})
     return {"seen": seen, "stats": stats, "batches": batches}
 
 
@@ -209,3 +214,48 @@ def test_a_receiver_that_dies_fails_every_trainer_rank_within_the_timeout() -> N
     for t in trainers:
         assert "raised" in t, t
         assert t["at"] - t0 < TIMEOUT + 30, t["at"] - t0
+
+
+def _train_memory(rank: int, port: int, steps: int, dtype: Any, **_: Any) -> dict:
+    """Each sync's peak RSS rise on this trainer rank: the first (full) one, then deltas
+    after the bench-style bump of 2 % and 10 % of this rank's elements."""
+    from torch.distributed.fsdp import fully_shard
+
+    from shardgather._memory import peak_rss_rise
+
+    model = _model(big=True)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    timeout = datetime.timedelta(seconds=TIMEOUT)
+    group = sg.connect_sync_group("127.0.0.1", port, 0, 2, timeout=timeout) if rank == 0 else None
+    sender = sg.WeightSender(model, group, dtype=dtype, timeout=timeout)
+    own = [p.to_local().detach().reshape(-1) for p in model.parameters()]
+    gen = torch.Generator().manual_seed(rank)
+    rises, stats = [], []
+    for fraction in (0.0, 0.02, 0.10)[:steps]:
+        for t in own:
+            k = int(t.numel() * fraction)
+            if k:
+                idx = torch.randint(0, t.numel(), (k,), generator=gen)
+                t.view(torch.int32).index_add_(0, idx, torch.full((k,), 1 << 16, dtype=torch.int32))
+        with peak_rss_rise() as m:
+            stats.append(sender.sync())
+        rises.append(m["peak_rise"])
+    shard = sum(t.numel() for t in own) * 2  # the kept reference: this rank's bf16 shard
+    return {"rises": rises, "stats": stats, "reference": shard}
+
+
+def test_memory_per_trainer_rank_is_two_buckets_and_the_reference() -> None:
+    """A 336 MB model (168 MB as bf16), world 2: no sync holds the model on any rank —
+    the first (full) one keeps the delta reference (its own bf16 shard) and at most two
+    buckets; a delta sync, two buckets (16 MiB each) — plus 64 MiB."""
+    trainers, consumer = _run(big=True, steps=3, dtype=torch.bfloat16)
+    assert consumer is not None and "raised" not in consumer, consumer
+    mib = 2**20
+    for rank, t in enumerate(trainers):
+        assert [s["mode"] for s in t["stats"]] == ["full", "delta", "delta"]
+        full, *deltas = t["rises"]
+        assert full <= t["reference"] + 2 * 16 * mib + 64 * mib, (rank, full / mib)
+        for rise in deltas:
+            assert rise <= 2 * 16 * mib + 64 * mib, (rank, [r / mib for r in t["rises"]])
