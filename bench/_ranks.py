@@ -152,3 +152,50 @@ def method_rows(per_rank: list[dict]) -> list[dict]:  # type: ignore[type-arg]
             }
         )
     return rows
+
+
+def run_child(code: str, *argv: str, timeout: float = 1200) -> dict:
+    """``code`` in a fresh interpreter (its own peak RSS, no warm caches of another
+    method's), with this repository and bench/ importable; its last stdout line, as JSON.
+    A failure ends the bench with the child's stderr."""
+    import json
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    res = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    if res.returncode:
+        sys.exit(f"{' '.join(argv[:1])} failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def write_json(path: str | None, script: str, args: Any, **doc: Any) -> None:
+    """The result document every bench writes: its configuration, the machine, the date,
+    the command that reproduces it, then ``doc``."""
+    if not path:
+        return
+    import datetime as _dt
+    import json
+    import platform
+
+    out = {
+        "config": vars(args),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": f"python bench/{script} " + " ".join(sys.argv[1:]),
+        **doc,
+    }
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")

@@ -25,19 +25,14 @@ tests/test_deepspeed.py for the engine oracle).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
-from _ranks import evict, run_ranks
+from _ranks import evict, run_child, run_ranks, write_json
 
 MiB = 2**20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,18 +89,7 @@ print(json.dumps({"time_s": elapsed, "peak_rss_rise": m["peak_rise"]}))
 
 
 def _run(method: str, src: str, out: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    res = subprocess.run(
-        [sys.executable, "-c", _CHILD, method, src, out],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1200,
-        check=False,
-    )
-    if res.returncode:
-        sys.exit(f"{method} failed:\n{res.stderr[-4000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, method, src, out)
 
 
 def _same(a: str, b: str) -> bool:
@@ -190,24 +174,15 @@ def main() -> None:
                     "verified": verified[m],
                 }
             )
-        if args.json:
-            doc = {
-                "config": vars(args),
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
-                    "torch": torch.__version__,
-                },
-                "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "command": "python bench/bench_deepspeed.py " + " ".join(sys.argv[1:]),
-                "weights_gib": size,
-                "checkpoint_gib": ckpt_bytes / 2**30,
-                "cache": "evicted before every run (drop_caches, else POSIX_FADV_DONTNEED)",
-                "results": results,
-            }
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
-            print(f"wrote {args.json}")
+        write_json(
+            args.json,
+            "bench_deepspeed.py",
+            args,
+            weights_gib=size,
+            checkpoint_gib=ckpt_bytes / 2**30,
+            cache="evicted before every run (drop_caches, else POSIX_FADV_DONTNEED)",
+            results=results,
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

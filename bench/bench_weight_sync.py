@@ -27,16 +27,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _ranks import run_ranks
+from _ranks import run_ranks, write_json
 
 import shardgather as sg
 from shardgather._memory import peak_rss_rise
@@ -280,23 +278,14 @@ def main() -> None:
             }
         )
     print(f"worker's peak RSS rise while receiving: {worker_rss / MiB:.0f} MiB")
-    if args.json:
-        doc = {
-            "config": vars(args),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "torch": torch.__version__,
-            },
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": "python bench/bench_weight_sync.py " + " ".join(sys.argv[1:]),
-            "trainer_elements_per_rank": [pr["numel"] for pr in per_rank],
-            "worker_peak_rss_rise": worker_rss,
-            "results": rows,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}")
+    write_json(
+        args.json,
+        "bench_weight_sync.py",
+        args,
+        trainer_elements_per_rank=[pr["numel"] for pr in per_rank],
+        worker_peak_rss_rise=worker_rss,
+        results=rows,
+    )
 
 
 if __name__ == "__main__":

@@ -207,12 +207,7 @@ class Gatherer:
         parameter; kept and reused by the gatherer). Independent of the model's size.
         """
         opts = self.options
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if self._sink.device != device:
-            self._sink = StreamSink(device)
-        sink = self._sink
+        sink = self._sink_on(device)
         merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
         with Call("iter_full_tensors", opts.timeout) as call:
             if opts.transport == Transport.NODE_LOCAL:
@@ -231,6 +226,15 @@ class Gatherer:
                 raise
             finally:
                 sink.stop()
+
+    def _sink_on(self, device: torch.device | str) -> StreamSink:
+        """The stream sink, its buffers on ``device`` (made anew when that changes)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._sink.device != device:
+            self._sink = StreamSink(device)
+        return self._sink
 
     def iter_packed(self, *, device: torch.device | str = "cpu") -> Iterator[PackedBucket]:
         """Yield the model's full tensors as :class:`PackedBucket` s, bucket by bucket.
@@ -260,12 +264,8 @@ class Gatherer:
         """:meth:`iter_packed` of ``plan`` within ``call`` (a verb built on it: the
         weight sender)."""
         opts = self.options
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if self._sink.device != device:
-            self._sink = StreamSink(device)
-        sink = self._sink
+        sink = self._sink_on(device)
+        device = sink.device
         local = {k for k, e in plan.entries.items() if e.source.group is None}
         limit = opts.bucket_bytes(device.type == "cuda")
         held: list[tuple[str, torch.Tensor]] = []

@@ -55,17 +55,17 @@ def _deepspeed():  # type: ignore[no-untyped-def]
     return deepspeed
 
 
-def _train(rank: int, world: int, stage: int, out: str, steps: int = 3) -> dict:
+def _trained_engine(rank: int, world: int, zero: dict, steps: int):  # type: ignore[no-untyped-def]
+    """A DeepSpeed engine (``zero_optimization``: ``zero``) of DSModel after ``steps``
+    AdamW steps on this rank's own batches."""
     deepspeed = _deepspeed()
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.manual_seed(0)
     model = DSModel()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -74,6 +74,13 @@ def _train(rank: int, world: int, stage: int, out: str, steps: int = 3) -> dict:
         x = torch.randint(0, 50, (2, 7), generator=gen)
         engine.backward(engine(x).float().pow(2).mean())
         engine.step()
+    return engine
+
+
+def _train(rank: int, world: int, stage: int, out: str, steps: int = 3) -> dict:
+    engine = _trained_engine(rank, world, {"stage": stage}, steps)
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
     engine.save_checkpoint(out)
     # The oracle: what the engine reports as each full value (collectives at ZeRO-3).
     want: dict[str, dict[str, torch.Tensor]] = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
@@ -352,24 +359,10 @@ def test_an_fsdp2_run_resumes_from_the_converted_checkpoint(checkpoints, tmp_pat
 
 
 def _online(rank: int, world: int, out: str) -> dict:
-    deepspeed = _deepspeed()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from shardgather import _dist
 
-    torch.manual_seed(0)
-    model = DSModel()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "zero_allow_untested_optimizer": True,
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    gen = torch.Generator().manual_seed(rank)
-    for _ in range(2):
-        x = torch.randint(0, 50, (2, 7), generator=gen)
-        engine.backward(engine(x).float().pow(2).mean())
-        engine.step()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    engine = _trained_engine(rank, world, zero, steps=2)
     assert all(p.numel() == 0 for p in engine.module.parameters())  # partitioned
     got = sg.full_state_dict(engine)
     gatherer = sg.Gatherer(engine, rank0_only=False)  # a weight stream, every rank
