@@ -25,7 +25,7 @@ import tempfile
 import time
 
 import torch
-from _ranks import drop_caches, run_child, run_ranks, write_json
+from _ranks import evict, run_child, run_ranks, write_json
 
 MiB = 2**20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,7 +119,7 @@ def main() -> None:
                     shutil.rmtree(outs[m])
                 elif os.path.exists(outs[m]):
                     os.unlink(outs[m])
-                cold = drop_caches()
+                cold = evict([src])
                 res = _run(m, src, outs[m])
                 if r == 0:
                     verified[m] = _check(m, outs[m], want)

@@ -1,22 +1,22 @@
 """Copying stored tensors into laid-out output files, in parallel and bounded: the file
 jobs (``shardgather consolidate``, a ZeRO checkpoint into a shardgather checkpoint).
 
-One worker by default: on the disk this was measured on (a VM's virtual disk, 2 vCPUs;
-bench/bench_deepspeed.py) two copying at once were 16 % slower than one, which already
-overlaps the cold reads with the O_DIRECT writes' DMA. ``workers`` is for disks that take
-parallel I/O (NVMe, network filesystems) and CPU-bound casts.
+One reader by default, beside the writer: reads and writes overlap, which is what a
+single disk rewards (on the VM this was measured on, bench/bench_deepspeed.py, two
+symmetric workers were no faster than one). ``workers`` readers are for sources that
+take parallel I/O (NVMe, network filesystems) and CPU-bound casts.
 
 Threads, not processes: every step is a syscall (``copy_file_range``, ``pread``,
-``pwrite``) or a cast, and all of them release the GIL, so N threads keep N copies in
-flight like N processes would, without a process's start-up (an interpreter and
-torch: ~1 s and ~500 MiB each) or re-opening the source description in each.
+``pwrite``) or a cast, and all of them release the GIL, so threads keep the copies in
+flight like processes would, without a process's start-up (an interpreter and torch:
+~1 s and ~500 MiB each) or re-opening the source description in each.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -34,16 +34,17 @@ def copy_tensors(
     workers: int | None,
     bar: Any,
 ) -> None:
-    """Every tensor's elements from its stored runs to its offset in the output files:
-    the work cut in pieces of at most 64 MiB, taken in order by ``workers`` threads
-    (syscalls and casts release the GIL; threads share descriptors). The first error
-    stops the others and is raised.
+    """Every tensor's elements from its stored runs to its offset in the output files,
+    in pieces of at most 64 MiB: ``workers`` reader threads read (and cast) pieces while
+    the calling thread writes the previous ones, so the disk reads and writes at once.
+    The first error stops everyone and is raised.
 
-    Each piece is read (cast if asked) into a page-aligned buffer placed at the piece's
-    file offset modulo the block size, and its block-aligned bulk written with O_DIRECT:
-    to the disk by DMA, no dirty page cache for the final fsync to write back, so one
-    worker's write overlaps another's read. Heads and tails, and filesystems that
-    refuse O_DIRECT (tmpfs), go through the page cache. Memory: one buffer per worker."""
+    A piece is read into a page-aligned buffer placed at its file offset modulo the
+    block size, and its block-aligned bulk written with O_DIRECT: to the disk by DMA,
+    no dirty page cache for the final fsync to write back. Heads and tails go through
+    the page cache; where the filesystem refuses O_DIRECT (tmpfs), readers copy their
+    pieces themselves (same dtype: file to file in the kernel, copy_file_range).
+    Memory: ``workers + 1`` buffers of a piece."""
     pieces = []
     for name, t, odt in items:
         list(t.runs(0, t.numel))  # locate lazily-located chunks (DCP) before threads share t
@@ -52,61 +53,99 @@ def copy_tensors(
             pieces.append((name, t, odt, a, min(t.numel, a + step)))
     srcs = {p: os.open(p, os.O_RDONLY) for _, t, _ in items for p in t.paths}
     direct = {i: _reopen_direct(fd) for i, fd in enumerate(fds)} if _direct_enabled() else {}
+    n = max(1, min(workers or 1, len(pieces)))
     lock = threading.Lock()
     order = iter(pieces)
     failed = threading.Event()
+    free: queue.Queue[torch.Tensor] = queue.Queue()
+    ready: queue.Queue[Any] = queue.Queue()
+    if any(d >= 0 for d in direct.values()):
+        for _ in range(n + 1):
+            free.put(_aligned(PIECE + BLOCK))
 
-    def work() -> None:
-        bounce: torch.Tensor | None = None
+    def read() -> None:
         buf = torch.empty(0, dtype=torch.uint8)
-        while not failed.is_set():
-            with lock:
-                piece = next(order, None)
-            if piece is None:
-                return
-            name, t, odt, a, b = piece
-            i, at = where[name]
-            size, out_size = t.dtype.itemsize, odt.itemsize
-            f0, n_out = at + a * out_size, (b - a) * out_size
-            try:
+        try:
+            while not failed.is_set():
+                with lock:
+                    piece = next(order, None)
+                if piece is None:
+                    return
+                name, t, odt, a, b = piece
+                i, at = where[name]
+                size, out_size = t.dtype.itemsize, odt.itemsize
+                f0, n_out = at + a * out_size, (b - a) * out_size
                 if odt != t.dtype:
-                    n = (b - a) * size
-                    if buf.numel() < n:
-                        buf = torch.empty(n, dtype=torch.uint8)
-                    _read(t, a, b, srcs, buf[:n])
-                dfd = direct.get(i, -1)
-                if dfd >= 0 and n_out >= 2 * BLOCK:
+                    k = (b - a) * size
+                    if buf.numel() < k:
+                        buf = torch.empty(k, dtype=torch.uint8)
+                    _read(t, a, b, srcs, buf[:k])
+                if direct.get(i, -1) >= 0 and n_out >= 2 * BLOCK:
+                    bounce = _take(free, failed)
                     if bounce is None:
-                        bounce = _aligned(PIECE + BLOCK)
-                    skew = f0 % BLOCK
-                    window = bounce[skew : skew + n_out]
+                        return
+                    window = bounce[f0 % BLOCK : f0 % BLOCK + n_out]
                     if odt == t.dtype:
                         _read(t, a, b, srcs, window)
                     else:
                         window.copy_(buf[: (b - a) * size].view(t.dtype).to(odt).view(torch.uint8))
-                    if not _write_direct(fds[i], dfd, window, f0):
-                        direct[i] = -1  # refused: the page cache from here on
-                elif odt == t.dtype:
+                    ready.put((i, window, f0, bounce))
+                    continue
+                if odt == t.dtype:
                     for path, offset, first, count in t.runs(a, b):
                         copy_range(srcs[path], offset, fds[i], at + first * size, count * size)
                 else:
                     cast_ = buf[: (b - a) * size].view(t.dtype).to(odt)
                     pwrite_from(fds[i], cast_.view(torch.uint8), f0)
-            except BaseException:
-                failed.set()
-                raise
-            if bar is not None:
-                with lock:
-                    bar.update(n_out)
+                ready.put(n_out)
+        except BaseException as exc:
+            failed.set()
+            ready.put(exc)
+        finally:
+            ready.put(None)  # this reader is done
 
-    n = max(1, min(workers or 1, len(pieces)))
+    threads = [
+        threading.Thread(target=read, name=f"sg-consolidate-{r}", daemon=True) for r in range(n)
+    ]
     try:
-        with ThreadPoolExecutor(n, thread_name_prefix="sg-consolidate") as pool:
-            for f in [pool.submit(work) for _ in range(n)]:
-                f.result()
+        for th in threads:
+            th.start()
+        running = n
+        while running:
+            item = ready.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, tuple):
+                i, window, f0, bounce = item
+                try:
+                    if not _write_direct(fds[i], direct[i], window, f0):
+                        direct[i] = -1  # refused: readers copy through the page cache now
+                finally:
+                    free.put(bounce)
+                item = window.numel()
+            if bar is not None:
+                bar.update(item)
+    except BaseException:
+        failed.set()
+        raise
     finally:
+        for th in threads:
+            th.join()
         for fd in [*srcs.values(), *(d for d in direct.values() if d >= 0)]:
             os.close(fd)
+
+
+def _take(free: queue.Queue[torch.Tensor], failed: threading.Event) -> torch.Tensor | None:
+    """A free buffer, or None once the job failed (the writer stopped giving them back)."""
+    while not failed.is_set():
+        try:
+            return free.get(timeout=0.1)
+        except queue.Empty:
+            continue
+    return None
 
 
 BLOCK = 4096  # O_DIRECT's alignment of file offsets, lengths and memory (any device's)
