@@ -242,9 +242,9 @@ def cmd_consolidate(
     workers: int | None = None,
 ) -> int:
     """A DCP directory or a DeepSpeed ZeRO checkpoint -> one safetensors file, or the
-    sharded HF layout. ``workers`` threads each copy a share of 64 MiB pieces straight
-    from the source files to their final offsets: same-dtype pieces file to file in the
-    kernel (copy_file_range), casts through one buffer per worker."""
+    sharded HF layout. ``workers`` reader threads fill 64 MiB pieces (cast if asked)
+    while this thread writes the previous ones to their final offsets with O_DIRECT
+    (see :mod:`shardgather.io.consolidate`); memory: ``workers + 1`` pieces."""
     from .io.hf_layout import output_layout
 
     shard_bytes = output_layout(out, max_shard_size)
