@@ -250,25 +250,26 @@ def cmd_consolidate(
     shard_bytes = output_layout(out, max_shard_size)
     tensors, tied, what = _consolidation_sources(src)
     cast = DTYPES[dtype] if dtype else None
-    items = []
-    for key, t in tensors.items():
-        if prefix and not key.startswith(prefix):
-            continue
-        name = clean_fqn(key[len(prefix) :] if prefix else key)
-        out_dtype = cast if cast is not None and t.dtype.is_floating_point else t.dtype
-        items.append((name, t, out_dtype))
-    if not items:
-        raise CheckpointError(f"{src}: no tensors{' under ' + prefix if prefix else ''}")
-    names = [n for n, _, _ in items]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise CheckpointError(f"{src}: two keys clean to {dup!r}; pass --prefix")
 
     def renamed(key: str) -> str | None:
+        """The output name of a source key (None: outside ``prefix``)."""
         if prefix and not key.startswith(prefix):
             return None
         return clean_fqn(key[len(prefix) :] if prefix else key)
 
+    items = []
+    seen: set[str] = set()
+    for key, t in tensors.items():
+        name = renamed(key)
+        if name is None:
+            continue
+        if name in seen:
+            raise CheckpointError(f"{src}: two keys clean to {name!r}; pass --prefix")
+        seen.add(name)
+        out_dtype = cast if cast is not None and t.dtype.is_floating_point else t.dtype
+        items.append((name, t, out_dtype))
+    if not items:
+        raise CheckpointError(f"{src}: no tensors{' under ' + prefix if prefix else ''}")
     aliases = {}
     for a, k in tied.items():
         na, nk = renamed(a), renamed(k)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import math
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -264,12 +265,13 @@ class WeightSender:
             self.wire.header(BEGIN, DELTA_MODE if delta else FULL, len(layout))
             self.wire.blob(layout)
             verdict = self.wire.verdict(0, 0)
-        code, no_delta = call.round("receivers", payload=verdict, gather="rank0")
-        if code:
-            raise ConsumerError(
-                "weight sync: a receiver refused the layout (its target lacks or shapes "
-                "differently some tensors; see its error): nothing was sent"
-            )
+        no_delta = _agree(
+            call,
+            "receivers",
+            verdict,
+            "a receiver refused the layout (its target lacks or shapes differently some "
+            "tensors; see its error): nothing was sent",
+        )
         self._fingerprint = plan.fingerprint
         changed = None
         if delta:
@@ -280,12 +282,13 @@ class WeightSender:
         if self.wire is not None:
             self.wire.header(END)
             verdict = self.wire.verdict(0, 0)
-        code, _ = call.round("applied", payload=verdict, gather="rank0")
-        if code:
-            raise ConsumerError(
-                "weight sync: a receiver failed while applying the weights (see its error); "
-                "the next sync sends everything"
-            )
+        _agree(
+            call,
+            "applied",
+            verdict,
+            "a receiver failed while applying the weights (see its error); the next sync "
+            "sends everything",
+        )
         sent = (self.wire.sent - before) if self.wire else 0
         return {"mode": "delta" if delta else "full", "bytes": sent, "changed": changed}
 
@@ -429,6 +432,15 @@ class WeightSender:
     def close(self) -> None:
         self.gatherer.close()
         self._delta = None
+
+
+def _agree(call: Call, name: str, verdict: tuple[int, int], failure: str) -> int:
+    """Every trainer rank learns the receivers' verdict (rank 0 has it from the wire) and
+    raises on a failure; returns the verdict's flag."""
+    code, flag = call.round(name, payload=verdict, gather="rank0")
+    if code:
+        raise ConsumerError(f"weight sync: {failure}")
+    return int(flag)
 
 
 def _subset(plan: GatherPlan, keys: set[str]) -> GatherPlan:
@@ -615,7 +627,7 @@ class WeightReceiver:
                     mismatched=wrong,
                 )
         self.layout = layout
-        numels = [1 if not s else int(torch.tensor(s).prod()) for _, s, _ in layout]
+        numels = [math.prod(s) for _, s, _ in layout]
         self._starts = torch.tensor([0, *numels], dtype=torch.int64).cumsum(0)
         self._index = {n: i for i, (n, _, _) in enumerate(layout)}
 
