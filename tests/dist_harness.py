@@ -48,14 +48,32 @@ def _worker(rank: int, world: int, target: str, kwargs: dict, tmp: str) -> None:
         os._exit(0)
 
 
+def _alone(target: str, kwargs: dict, tmp: str, rank: int) -> None:
+    """A process outside the ranks' group (an inference worker beside a trainer)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        module_name, fn_name = target.rsplit(":", 1)
+        result = getattr(importlib.import_module(module_name), fn_name)(**kwargs)
+    except BaseException:
+        result = {"__error__": traceback.format_exc()}
+    torch.save(result, f"{tmp}/result_{rank}.pt")
+    os._exit(0)
+
+
 def run(
     target: str,
     world: int,
     timeout: float = 300,
     _allow_missing: tuple[int, ...] = (),
+    alongside: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``module:function(rank, world, **kwargs)`` on ``world`` gloo ranks.
+
+    ``alongside``: also ``module:function(**kwargs)`` in one more process that is not in
+    the ranks' group; its result comes last (index ``world``).
 
     Returns:
         Each rank's return value (None for a rank in ``_allow_missing`` that left no
@@ -68,6 +86,10 @@ def run(
             ctx.Process(target=_worker, args=(r, world, target, kwargs, tmp), daemon=True)
             for r in range(world)
         ]
+        if alongside is not None:
+            procs.append(
+                ctx.Process(target=_alone, args=(alongside, kwargs, tmp, world), daemon=True)
+            )
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
@@ -79,7 +101,7 @@ def run(
                 p.kill()
                 p.join(5)
         results = []
-        for r in range(world):
+        for r in range(len(procs)):
             path = Path(tmp) / f"result_{r}.pt"
             if not path.exists() and r in _allow_missing:
                 results.append(None)

@@ -9,18 +9,15 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import tempfile
 import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import shardgather as sg
 
+from . import dist_harness
 from .compare import diff_state_dicts
 from .models import TinyLM
 
@@ -40,25 +37,8 @@ def _model(big: bool = False) -> torch.nn.Module:
     return TinyLM(d=12, hidden=40)
 
 
-def _trainer(rank: int, tmp: str, port: int, kw: dict) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    out: Any
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp}/rdv",
-            rank=rank,
-            world_size=2,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        out = (_train_memory if kw.get("big") else _train)(rank, port, **kw)
-    except BaseException as exc:
-        out = {"__error__": traceback.format_exc(), "type": type(exc).__name__}
-    torch.save(out, f"{tmp}/trainer{rank}.pt")
-    os._exit(0)
+def _trainer(rank: int, world: int, **kw: Any) -> dict:
+    return (_train_memory if kw.get("big") else _train)(rank, **kw)
 
 
 def _train(rank: int, port: int, fsdp: str, steps: int, dtype: Any, delta: bool, **_: Any) -> dict:
@@ -95,16 +75,12 @@ def _train(rank: int, port: int, fsdp: str, steps: int, dtype: Any, delta: bool,
     return {"truth": truth, "stats": stats}
 
 
-def _consumer(tmp: str, port: int, kw: dict) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    out: Any
+def _consumer(**kw: Any) -> dict:
+    """The inference worker; what it raised is a result the tests check."""
     try:
-        out = _consume(port, **kw)
+        return _consume(**kw)
     except BaseException as exc:
-        out = {"raised": f"{type(exc).__name__}: {exc}", "at": time.monotonic()}
-    torch.save(out, f"{tmp}/consumer.pt")
-    os._exit(0)
+        return {"raised": f"{type(exc).__name__}: {exc}", "at": time.monotonic()}
 
 
 def _consume(
@@ -137,29 +113,18 @@ def _consume(
 
 
 def _run(**kw: Any) -> tuple[list[dict], dict | None]:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="sg-sync-") as tmp:
-        procs = [ctx.Process(target=_trainer, args=(r, tmp, port, kw)) for r in range(2)]
-        procs.append(ctx.Process(target=_consumer, args=(tmp, port, kw)))
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 240
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        trainers = []
-        for r in range(2):
-            path = Path(tmp) / f"trainer{r}.pt"
-            assert path.exists(), f"trainer {r} left no result (exit {procs[r].exitcode})"
-            res = torch.load(path, weights_only=False)
-            assert "__error__" not in res, res["__error__"]
-            trainers.append(res)
-        path = Path(tmp) / "consumer.pt"
-        consumer = torch.load(path, weights_only=False) if path.exists() else None
-    return trainers, consumer
+    """2 trainer ranks (their own gloo world) and an inference worker outside it (None
+    when it died)."""
+    results = dist_harness.run(
+        "tests.test_weight_sync:_trainer",
+        2,
+        timeout=240,
+        _allow_missing=(2,),
+        alongside="tests.test_weight_sync:_consumer",
+        port=_free_port(),
+        **kw,
+    )
+    return results[:2], results[2]
 
 
 @pytest.mark.parametrize(
