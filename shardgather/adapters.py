@@ -21,12 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._engine.run import gather_to_all
 from ._fqn import clean_fqn
 from ._options import DEFAULT_TIMEOUT, check_model
 from ._plan import GatherPlan, build_plan
-from ._plan.merge import merged
+from ._plan.merge import Fetch, merged
+from ._plan.subset import select
 from ._plan.walk import walk_modules
-from .api import LoadResult, full_state_dict, load_full_state_dict, save_full_state_dict
+from .api import LoadResult, load_full_state_dict, save_full_state_dict
 from .errors import CheckpointError, ShardGatherError, UnsupportedModelError
 
 WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
@@ -185,29 +187,41 @@ def load_adapter(
 # ------------------------------------------------------------------------------- merged
 
 
-def merging(
-    model: nn.Module, adapter_name: str, timeout: datetime.timedelta
-) -> Callable[[GatherPlan], GatherPlan]:
+# LoRA factors a merged export holds at a time (per rank): the factors of consecutive
+# layers are fetched together up to this size (one layer's alone, when it is larger).
+FACTOR_BYTES = 4 * 2**20
+
+
+def merging(model: nn.Module, adapter_name: str) -> Callable[[GatherPlan], GatherPlan]:
     """What ``merge_adapter=`` does to a verb's plan: every LoRA layer's base weight
     becomes ``W + scaling * (B @ A)`` — PEFT's ``merge_and_unload`` — computed by each
     rank for its own elements of ``W`` (the rows of ``B @ A`` they cover, nothing
     more), adapter tensors dropped, keys the base model's (PEFT's prefix and
-    ``.base_layer`` gone). Collective: every rank receives ``A`` and ``B`` whole first
-    (an adapter's size). Call before the verb's own call starts."""
+    ``.base_layer`` gone). The plan moves in phases of layers: before each, every rank
+    receives those layers' ``A`` and ``B`` whole (and lets the previous phase's go), so
+    a rank holds about FACTOR_BYTES of factors, however large the adapter."""
     peft_model, prefix = _peft_model(model)
     layers = _lora_layers(model, peft_model, adapter_name)
-    factors = full_state_dict(
-        model,
-        keys=[k for layer in layers for k in (layer.a_key, layer.b_key)],
-        rank0_only=False,
-        bucket_mb=4,  # small buckets: the factors themselves are the memory that stays
-        timeout=timeout,
-    )
     plan = build_plan(model)
     drop: set[str] = set()
     for name in peft_model.peft_config:
         drop.update(_names(peft_model, prefix, plan, name, save_embedding_layers=False))
+    factors: dict[str, torch.Tensor] = {}  # the current phase's A and B, by key
     deltas = {layer.weight_key: layer.delta(factors) for layer in layers}
+    of_weight = {layer.weight_key: (layer.a_key, layer.b_key) for layer in layers}
+    everything = select(plan, [k for pair in of_weight.values() for k in pair])
+
+    def prepare(weights: list[str]) -> Callable[[Any], None]:
+        mine = select(everything, [k for w in weights for k in of_weight[w]])
+
+        def fetch(call: Any) -> None:
+            factors.clear()  # the previous phase's go first
+            factors.update(gather_to_all(call, mine, bucket_mb=4))
+
+        return fetch
+
+    cost = {w: sum(plan.entries[k].nbytes for k in pair) for w, pair in of_weight.items()}
+    fetch = Fetch(prepare, cost, FACTOR_BYTES)
     inner = prefix + "base_model.model."  # PeftModel -> LoraModel -> the base model
     bases = {layer.module for layer in layers}
 
@@ -217,7 +231,7 @@ def merging(
             key = head + tail
         return prefix + key[len(inner) :] if key.startswith(inner) else key
 
-    return lambda plan: merged(plan, deltas, drop, rename)
+    return lambda plan: merged(plan, deltas, drop, rename, fetch)
 
 
 class _Lora:
@@ -231,10 +245,11 @@ class _Lora:
         self.scaling = scaling
 
     def delta(self, factors: dict[str, torch.Tensor]) -> Callable[[int, int], torch.Tensor]:
-        a, b = factors[self.a_key], factors[self.b_key]
+        """Rows of the delta, from ``factors`` as its phase fetched them."""
         scaling = self.scaling
 
         def rows(r0: int, r1: int) -> torch.Tensor:
+            a, b = factors[self.a_key], factors[self.b_key]
             # PEFT's get_delta_weight: (B @ A) * scaling, in float32 (as it does on the
             # CPU for 16-bit weights). Rows of a product are the product of the rows,
             # bit for bit: each element is the same length-r dot product.

@@ -105,7 +105,7 @@ def full_state_dict(
         >>> if dist.get_rank() == 0:
         ...     plain_model.load_state_dict(sd)
     """
-    merge = merge_transform(model, merge_adapter, keys, timeout)
+    merge = merge_transform(model, merge_adapter, keys)
     with Call("full_state_dict", timeout) as call:
         opts = Options(
             dtype=dtype,
@@ -127,17 +127,16 @@ def merge_transform(
     model: nn.Module,
     merge_adapter: str | None,
     keys: KeySelection | None,
-    timeout: datetime.timedelta,
 ) -> Callable[[GatherPlan], GatherPlan]:
-    """The plan transform ``merge_adapter=`` asks for (collective: call on every rank
-    before the verb's own call), or the identity."""
+    """The plan transform ``merge_adapter=`` asks for, or the identity (no collective:
+    the merged plan fetches what it needs in its own phases)."""
     if merge_adapter is None:
         return lambda plan: plan
     if keys is not None:
         raise ShardGatherError("merge_adapter= writes the whole merged model: leave keys= out")
     from .adapters import merging
 
-    return merging(model, merge_adapter, timeout)
+    return merging(model, merge_adapter)
 
 
 def release_staging() -> None:
@@ -273,7 +272,7 @@ def save_full_state_dict(
     if merge_adapter is not None and not blocking:
         raise ShardGatherError("merge_adapter= saves block: pass blocking=True")
     snapshot.settle(model, opts.in_flight)
-    merge = merge_transform(model, merge_adapter, keys, timeout)
+    merge = merge_transform(model, merge_adapter, keys)
     with Call("save_full_state_dict", timeout) as call:
         plan = merge(build_plan(check_model(model), dtype=dtype, keys=keys))
         options = _file_options(plan, path, metadata, max_shard_size, files, key_map)

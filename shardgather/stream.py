@@ -149,7 +149,7 @@ class Gatherer:
             its tensors overwritten in place: copy what you must keep.
         """
         opts = self.options
-        merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
+        merge = merge_transform(self.model, self.merge_adapter, self.keys)
         with Call("Gatherer.full_state_dict", opts.timeout) as call:
             plan = merge(build_plan(self.model, dtype=opts.dtype, keys=self.keys))
             if self._key != plan.fingerprint:
@@ -208,7 +208,7 @@ class Gatherer:
         """
         opts = self.options
         sink = self._sink_on(device)
-        merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
+        merge = merge_transform(self.model, self.merge_adapter, self.keys)
         with Call("iter_full_tensors", opts.timeout) as call:
             if opts.transport == Transport.NODE_LOCAL:
                 raise ShardGatherError(
@@ -251,7 +251,7 @@ class Gatherer:
         asked for.
         """
         opts = self.options
-        merge = merge_transform(self.model, self.merge_adapter, self.keys, opts.timeout)
+        merge = merge_transform(self.model, self.merge_adapter, self.keys)
         with Call("iter_packed", opts.timeout) as call:
             if opts.transport == Transport.NODE_LOCAL:
                 raise ShardGatherError("iter_packed moves buckets: use transport 'auto'")

@@ -7,6 +7,7 @@ trained values (torch's full state dict of the sharded one, loaded into a plain 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -15,6 +16,7 @@ import torch
 
 import shardgather as sg
 from shardgather import _dist
+from shardgather._plan import build_plan
 
 from . import dist_harness
 from .compare import diff_state_dicts
@@ -149,22 +151,15 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
         ]
 
     # The merged model (PEFT's merge_and_unload), each rank merging its own elements:
-    # as a dict, as a from_pretrained-able directory, as a stream.
+    # as a dict, as a from_pretrained-able directory, as a stream; the factors fetched
+    # all at once (this adapter is far below the budget), and a layer at a time with the
+    # deltas added a row at a time (a large adapter's phases, on this small model).
     merged_want = copy.deepcopy(plain).merge_and_unload().state_dict()
-    merged = sg.full_state_dict(model, merge_adapter="default")
-    merged_dir = os.path.join(tmp, f"{kind}-merged")
-    sg.save_full_state_dict(
-        model, merged_dir + "/", merge_adapter="default", files={"config.json": config.to_dict()}
-    )
-    stream = dict(sg.iter_full_tensors(model, merge_adapter="default", owned=True))
-    if rank == 0:
-        bad += ["merged: " + p for p in diff_state_dicts(merged, merged_want)]
-        hf = LlamaForCausalLM.from_pretrained(merged_dir)
-        bad += [
-            "merged from_pretrained: " + p for p in diff_state_dicts(hf.state_dict(), merged_want)
-        ]
-        ordered = {k: stream[k] for k in merged_want if k in stream}
-        bad += ["merged stream: " + p for p in diff_state_dicts(ordered, merged_want)]
+    for phased in (False, True):
+        with _merge_in_phases(phased):
+            bad += _merged_exports(model, config, rank, tmp, f"{kind}-{phased}", merged_want)
+            plan = sg.adapters.merging(model, "default")(build_plan(model))
+            out[f"phases_{phased}"] = len(plan.phases or ())
 
     # Load the adapter into a differently initialised sharded model: the adapter's
     # elements change (each rank reading its own), the base does not.
@@ -218,6 +213,48 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
     return out
 
 
+@contextlib.contextmanager
+def _merge_in_phases(phased: bool):  # type: ignore[no-untyped-def]
+    """Phased: the factors of one source at a time, its deltas a row at a time (a
+    1-byte factor budget, 64 delta elements: the phases a large adapter moves in)."""
+    from shardgather import adapters
+    from shardgather._plan import merge
+
+    saved = adapters.FACTOR_BYTES, merge.DELTA_ELEMENTS
+    if phased:
+        adapters.FACTOR_BYTES, merge.DELTA_ELEMENTS = 1, 64
+    try:
+        yield
+    finally:
+        adapters.FACTOR_BYTES, merge.DELTA_ELEMENTS = saved
+
+
+def _merged_exports(model, config, rank: int, tmp: str, name: str, want: dict) -> list[str]:  # type: ignore[no-untyped-def,type-arg]
+    """The merged model by every route, each compared with ``want`` on rank 0."""
+    from transformers import LlamaForCausalLM
+
+    bad: list[str] = []
+    merged = sg.full_state_dict(model, merge_adapter="default")
+    gathered = sg.full_state_dict(model, merge_adapter="default", transport="collective")
+    merged_dir = os.path.join(tmp, f"{name}-merged")
+    sg.save_full_state_dict(
+        model, merged_dir + "/", merge_adapter="default", files={"config.json": config.to_dict()}
+    )
+    one_file = os.path.join(tmp, f"{name}-merged.safetensors")
+    sg.save_full_state_dict(model, one_file, merge_adapter="default", transport="collective")
+    stream = dict(sg.iter_full_tensors(model, merge_adapter="default", owned=True))
+    if rank == 0:
+        bad += [f"{name} merged: " + p for p in diff_state_dicts(merged, want)]
+        bad += [f"{name} merged, collective: " + p for p in diff_state_dicts(gathered, want)]
+        hf = LlamaForCausalLM.from_pretrained(merged_dir)
+        bad += [f"{name} from_pretrained: " + p for p in diff_state_dicts(hf.state_dict(), want)]
+        from_file = sg.load_file(one_file)
+        bad += [f"{name} file, collective: " + p for p in diff_state_dicts(from_file, want)]
+        ordered = {k: stream[k] for k in want if k in stream}
+        bad += [f"{name} merged stream: " + p for p in diff_state_dicts(ordered, want)]
+    return bad
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
 def test_adapter_export_and_load_bit_exact(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -226,6 +263,10 @@ def test_adapter_export_and_load_bit_exact(kind: str, tmp_path) -> None:  # type
     )
     for r in res:
         assert r["problems"] == []
+        # One phase; then at least one per source holding LoRA weights (FSDP1: a flat
+        # parameter per layer, 2; FSDP2: a source per weight, 14).
+        assert r["phases_False"] == 1
+        assert r["phases_True"] >= (2 if kind == "fsdp1" else 14)
         assert r["load_result"] == [[], []]
         assert "missing keys" in r["partial_error"] and "Nothing was loaded" in r["partial_error"]
     r0 = res[0]
@@ -375,12 +416,17 @@ def tp_worker(rank: int, world: int, tmp: str) -> dict:  # type: ignore[type-arg
     bad: list[str] = []
     sg.save_adapter(pm, os.path.join(tmp, "adapter"))
     merged = sg.full_state_dict(pm, merge_adapter="default")
+    with _merge_in_phases(True):  # a layer's factors at a time, the deltas row by row
+        phased = sg.full_state_dict(pm, merge_adapter="default")
+        gathered = sg.full_state_dict(pm, merge_adapter="default", transport="collective")
     if rank == 0:
         want = get_peft_model_state_dict(plain)
         got = load_file(os.path.join(tmp, "adapter", "adapter_model.safetensors"))
         bad += ["adapter: " + p for p in diff_state_dicts(got, want)]
         merged_want = plain.merge_and_unload().state_dict()
         bad += ["merged: " + p for p in diff_state_dicts(merged, merged_want)]
+        bad += ["merged in phases: " + p for p in diff_state_dicts(phased, merged_want)]
+        bad += ["phases, collective: " + p for p in diff_state_dicts(gathered, merged_want)]
     return {"problems": bad, "placements": placements}
 
 
@@ -391,3 +437,77 @@ def test_adapters_of_a_tensor_parallel_base(tmp_path) -> None:  # type: ignore[n
     assert "(Shard(dim=0), Shard(dim=1))" in res[0]["placements"]
     for r in res:
         assert r["problems"] == []
+
+
+def merged_memory_worker(rank: int, world: int, tmp: str) -> dict:  # type: ignore[type-arg]
+    """Peak RSS rise of merged exports whose adapter (153 MiB of factors) is larger than
+    the 1-D save bound (two 16 MiB buckets + 64 MiB), FSDP2 on 2 ranks."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardgather import adapters
+    from shardgather._memory import peak_rss_rise, trim
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=36,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    torch.manual_seed(0)
+    lora = LoraConfig(r=256, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
+    pm = get_peft_model(LlamaForCausalLM(config), lora)
+    for layer in pm.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(pm)
+    names = sg.adapter_keys(pm)
+    out: dict = {
+        "adapter_bytes": sum(pm.get_parameter(k).numel() * 4 for k in names),
+    }
+    path = os.path.join(tmp, "merged.safetensors")
+    sg.save_full_state_dict(pm, path, merge_adapter="default", bucket_mb=16)  # warm-up
+    verbs = {
+        "save": lambda: sg.save_full_state_dict(pm, path, merge_adapter="default", bucket_mb=16),
+        "save_collective": lambda: sg.save_full_state_dict(
+            pm, path, merge_adapter="default", bucket_mb=16, transport="collective"
+        ),
+        "stream": lambda: [
+            None for _ in sg.iter_full_tensors(pm, merge_adapter="default", bucket_mb=16)
+        ],
+    }
+    for name, verb in verbs.items():
+        trim()
+        with peak_rss_rise() as m:
+            verb()
+        out[name] = m["peak_rise"]
+    # The same save with every factor fetched at once (the adapter whole on every rank,
+    # as before the phases): over the bound, so the bound above can fail.
+    saved, adapters.FACTOR_BYTES = adapters.FACTOR_BYTES, 1 << 40
+    try:
+        trim()
+        with peak_rss_rise() as m:
+            verbs["save"]()
+        out["save_all_at_once"] = m["peak_rise"]
+    finally:
+        adapters.FACTOR_BYTES = saved
+    return out
+
+
+@pytest.mark.distributed
+def test_merged_exports_hold_a_phase_of_factors_not_the_adapter(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The merge's factors come a group of layers at a time (FACTOR_BYTES), so a merged
+    save or stream stays within the plain save's bound — two buckets + 64 MiB — on every
+    rank, whatever the adapter's size; holding the whole adapter breaks that bound."""
+    res = dist_harness.run(
+        "tests.test_adapters:merged_memory_worker", 2, tmp=str(tmp_path), timeout=400
+    )
+    MiB = 2**20
+    bound = 2 * 16 * MiB + 64 * MiB
+    for r in res:
+        assert r["adapter_bytes"] > bound + 32 * MiB, r
+        for name in ("save", "save_collective", "stream"):
+            assert r[name] <= bound, (name, r)
+        assert r["save_all_at_once"] > bound, r

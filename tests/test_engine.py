@@ -134,14 +134,26 @@ def test_buckets_and_parts_deliver_every_element(layout, shapes, world, bucket_b
     shapes=SHAPES,
     world=st.integers(1, 4),
     cast=st.booleans(),
+    slice_elements=st.sampled_from([1, 5, 1 << 20]),
     data=st.data(),
 )
 def test_merged_weights_are_added_where_each_rank_holds_them(
-    layout, shapes, world, cast, data
+    layout, shapes, world, cast, slice_elements, data
 ) -> None:  # type: ignore[no-untyped-def]
     """merge_adapter='s placement, for every layout (FSDP1 flat rows, FSDP2 dim-0, row-
     and column-wise TP, FSDP2 x TP): each rank adds the delta rows its own elements of W
-    cover, and the gathered result is W + delta, bit for bit, under the new names."""
+    cover, and the gathered result is W + delta, bit for bit, under the new names —
+    whether a delta is added whole or a slice of rows at a time (``slice_elements``)."""
+    from shardgather._plan import merge
+
+    saved, merge.DELTA_ELEMENTS = merge.DELTA_ELEMENTS, slice_elements
+    try:
+        _check_merged_placement(layout, shapes, world, cast, data)
+    finally:
+        merge.DELTA_ELEMENTS = saved
+
+
+def _check_merged_placement(layout, shapes, world, cast, data) -> None:  # type: ignore[no-untyped-def]
     s = LAYOUTS[layout](shapes, world, out_dtype=torch.bfloat16 if cast else None)
     two_d = [k for k in s.plans[0].keys if s.fulls[k].dim() == 2]
     if not two_d:

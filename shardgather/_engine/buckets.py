@@ -5,6 +5,7 @@ and where each entry's elements sit in a gathered bucket. Pure functions of the 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -97,10 +98,14 @@ def _pack_columns(
     return cur
 
 
-def my_buckets(plan: GatherPlan, bucket_mb: float, rank0_only: bool) -> list[Bucket]:
+def my_buckets(
+    plan: GatherPlan, bucket_mb: float, rank0_only: bool, only: Collection[int] | None = None
+) -> list[Bucket]:
     """The buckets this call moves: all of them, or (``rank0_only``) those of the shard
-    groups holding global rank 0 (one HSDP replica)."""
-    buckets = build_buckets(plan.sources, int(bucket_mb * 2**20), plan.columns)
+    groups holding global rank 0 (one HSDP replica); ``only``: of these sources alone
+    (one phase of the plan: no bucket holds sources of two phases)."""
+    sources = plan.sources if only is None else [s for s in plan.sources if s.index in only]
+    buckets = build_buckets(sources, int(bucket_mb * 2**20), plan.columns)
     if rank0_only:
         buckets = [b for b in buckets if 0 in b.ranks]
     return buckets

@@ -33,7 +33,7 @@ from .buckets import Bucket, bucket_parts, my_buckets
 from .collective import BucketGathers, gather_buckets
 from .pieces import pieces_of, write_pieces
 from .remote import receive_pieces, send_pieces
-from .sinks import Sink
+from .sinks import HostDict, Sink
 
 
 def on_cuda(plan: GatherPlan) -> bool:
@@ -88,7 +88,7 @@ class Route:
     writes_pieces: bool  # this rank writes its own pieces to the sink's targets
     receives: bool  # this rank receives (whole entries, buckets, messages)
     group: Any  # the data group, where host bytes travel (None: not needed)
-    buckets: list[Bucket]
+    buckets: list[list[Bucket]]  # per phase of the plan (collective)
 
     def participating(self, plan: GatherPlan) -> Callable[[int], bool]:
         # rank0_only: only the shard groups holding rank 0 take part (one HSDP replica)
@@ -135,9 +135,11 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
         node_local.warn_once(
             f"shardgather: node-local transport unavailable ({why}); using collectives"
         )
-    buckets = (
-        [] if local else my_buckets(plan, opts.bucket_bytes(on_cuda(plan)) / 2**20, opts.rank0_only)
-    )
+    mb = opts.bucket_bytes(on_cuda(plan)) / 2**20
+    buckets = [
+        [] if local else my_buckets(plan, mb, opts.rank0_only, phase.sources)
+        for phase in plan.phases_or_one()
+    ]
     group = None
     if (local and remote) or (not local and host_buckets(plan)):
         group = data_group(call)
@@ -151,42 +153,67 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
 def move(
     call: Call, plan: GatherPlan, sink: Sink, opts: Options, way: Route, bar: Progress
 ) -> None:
-    """The data phase, then each rank flushes its own writes."""
-    participating = way.participating(plan)
-    if way.receives:
-        for e in plan.entries.values():
-            if e.source.group is None:  # held whole by every rank: no transport
-                sink.write_whole(e)
-                if call.rank == 0:
-                    bar.update(e.nbytes)
+    """The data phase, then each rank flushes its own writes. A plan in phases moves
+    them in order, each after its step (every rank takes every step, whatever it
+    holds: the steps are collective)."""
     message_bytes = opts.bucket_bytes(on_cuda(plan))
+    by_source = plan.entries_by_source()
+    for phase, buckets in zip(plan.phases_or_one(), way.buckets):
+        if phase.prepare is not None:
+            phase.prepare(call)
+        if way.receives:
+            for e in plan.entries.values():
+                if e.source.group is None and e.source.index in phase.sources:
+                    sink.write_whole(e)  # held whole by every rank: no transport
+                    if call.rank == 0:
+                        bar.update(e.nbytes)
+        if way.local:
+            _move_pieces(call, plan, sink, way, bar, message_bytes, phase.sources)
+        else:
+            for bucket, rows in gather_buckets(
+                call, buckets, lambda b: way.receives, to_one=opts.rank0_only, group=way.group
+            ):
+                if rows is not None:
+                    parts = bucket_parts(bucket, by_source)
+                    sink.write_rows(rows, parts)
+                    if call.rank == 0:
+                        bar.update(sum(p.nbytes for p in parts))
     if way.local:
-        mine = pieces_of(plan, participating)
-        if call.rank in way.remote:
-            send_pieces(call, mine, message_bytes, way.group)
-        elif way.writes_pieces:
-            # With a bar, in batches, each counted; without, in one go (no change)
-            for batch in _batches(mine) if bar.enabled else [mine]:
-                write_pieces(batch, sink.target, sink.direct_fd)
-                bar.update(_piece_bytes(batch))
         bar.report(last=True)
         if call.rank == 0:
-            for sender in way.remote:
-                theirs = pieces_of(plan, participating, sender)
-                receive_pieces(call, sender, theirs, message_bytes, way.group, sink)
-                bar.update(_piece_bytes(theirs))
             bar.watch_others()  # the ranks writing their own pieces beside rank 0
-    else:
-        by_source = plan.entries_by_source()
-        for bucket, rows in gather_buckets(
-            call, way.buckets, lambda b: way.receives, to_one=opts.rank0_only, group=way.group
-        ):
-            if rows is not None:
-                parts = bucket_parts(bucket, by_source)
-                sink.write_rows(rows, parts)
-                if call.rank == 0:
-                    bar.update(sum(p.nbytes for p in parts))
     sink.flush()
+
+
+def _move_pieces(
+    call: Call,
+    plan: GatherPlan,
+    sink: Sink,
+    way: Route,
+    bar: Progress,
+    message_bytes: int,
+    sources: frozenset[int],
+) -> None:
+    """Node-local: this rank's pieces of ``sources`` to their places (or to rank 0,
+    from another host); rank 0 takes the other hosts' pieces."""
+    participating = way.participating(plan)
+
+    def taken(i: int) -> bool:
+        return i in sources and participating(i)
+
+    mine = pieces_of(plan, taken)
+    if call.rank in way.remote:
+        send_pieces(call, mine, message_bytes, way.group)
+    elif way.writes_pieces:
+        # With a bar, in batches, each counted; without, in one go (no change)
+        for batch in _batches(mine) if bar.enabled else [mine]:
+            write_pieces(batch, sink.target, sink.direct_fd)
+            bar.update(_piece_bytes(batch))
+    if call.rank == 0:
+        for sender in way.remote:
+            theirs = pieces_of(plan, taken, sender)
+            receive_pieces(call, sender, theirs, message_bytes, way.group, sink)
+            bar.update(_piece_bytes(theirs))
 
 
 def _piece_bytes(pieces: list[Any]) -> int:
@@ -230,23 +257,51 @@ def stream(
     flight while the consumer handles bucket k, and gathered rows never outlive their
     copy-out. ``whole(entry)`` makes an entry every rank holds in full."""
     receives = not opts.rank0_only or call.rank == 0
-    buckets = my_buckets(plan, opts.bucket_bytes(on_cuda(plan)) / 2**20, opts.rank0_only)
+    mb = opts.bucket_bytes(on_cuda(plan)) / 2**20
+    phases = plan.phases_or_one()
+    per_phase = [my_buckets(plan, mb, opts.rank0_only, ph.sources) for ph in phases]
     call.round("plan", same=plan.fingerprint)
     group = data_group(call) if host_buckets(plan) else None
+    buckets = [b for bs in per_phase for b in bs]
     gathers = BucketGathers(
         call, buckets, lambda b: receives, to_one=opts.rank0_only, group=group, slots=1
     )
-    if buckets:
-        gathers.launch(0)
-    if receives:
-        for key, e in plan.entries.items():
-            if e.source.group is None:
-                yield key, whole(e)
     by_source = plan.entries_by_source()
-    for i, bucket in enumerate(buckets):
-        rows = gathers.wait(i)
-        done = copy_out(rows, bucket_parts(bucket, by_source)) if rows is not None else []
-        if i + 1 < len(buckets):
-            gathers.launch(i + 1)
-        yield from done
+    first = 0  # index of the phase's first bucket in ``buckets``
+    for phase, mine in zip(phases, per_phase):
+        if phase.prepare is not None:
+            phase.prepare(call)
+        if mine:
+            gathers.launch(first)
+        if receives:
+            for key, e in plan.entries.items():
+                if e.source.group is None and e.source.index in phase.sources:
+                    yield key, whole(e)
+        for i in range(first, first + len(mine)):
+            rows = gathers.wait(i)
+            done = copy_out(rows, bucket_parts(buckets[i], by_source)) if rows is not None else []
+            if i + 1 < first + len(mine):
+                gathers.launch(i + 1)
+            yield from done
+        first += len(mine)
     call.round("done")
+
+
+def gather_to_all(call: Call, plan: GatherPlan, bucket_mb: float) -> dict[str, torch.Tensor]:
+    """Every entry of ``plan`` whole on every rank, as one step of the call in progress
+    (a phase's ``prepare``: a merged export's LoRA factors): the collective transport
+    into a host dict of fresh tensors. Collective over every rank of the plan's groups."""
+    sink = HostDict(plan, receives=True)
+    sink.open(call, False, None, False)
+    for e in plan.entries.values():
+        if e.source.group is None:
+            sink.write_whole(e)
+    buckets = my_buckets(plan, bucket_mb, rank0_only=False)
+    group = data_group(call) if host_buckets(plan) else None
+    by_source = plan.entries_by_source()
+    for bucket, rows in gather_buckets(call, buckets, lambda b: True, to_one=False, group=group):
+        assert rows is not None
+        sink.write_rows(rows, bucket_parts(bucket, by_source))
+    out = sink.finish(call)
+    assert out is not None
+    return out

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,17 @@ class Entry:
 
 
 @dataclass
+class Phase:
+    """Sources a plan moves after one collective step of its own: every rank runs
+    ``prepare(call)`` (None: nothing to do) at the same point, then moves these sources
+    (a merged export fetches the LoRA factors of a group of layers just before their
+    weights, so a rank holds one group's factors at a time, never the whole adapter)."""
+
+    sources: frozenset[int]
+    prepare: Callable[[Any], None] | None = None
+
+
+@dataclass
 class GatherPlan:
     """Every output key in ``state_dict()`` order, with aliases for tied tensors."""
 
@@ -126,6 +138,14 @@ class GatherPlan:
     # Source index -> the column ranges of its rows this plan needs, when it is a subset
     # (``keys=``) that leaves some of a source's elements out (None: every column).
     columns: dict[int, list[tuple[int, int]]] | None = None
+    # The order sources are moved in, phase by phase, when some need a step first
+    # (None: one phase of every source, nothing to prepare).
+    phases: list[Phase] | None = None
+
+    def phases_or_one(self) -> list[Phase]:
+        if self.phases is not None:
+            return self.phases
+        return [Phase(frozenset(s.index for s in self.sources))]
 
     def entries_by_source(self) -> dict[int, list[Entry]]:
         out: dict[int, list[Entry]] = {}
