@@ -207,7 +207,8 @@ def merging(model: nn.Module, adapter_name: str) -> Callable[[GatherPlan], Gathe
     for name in peft_model.peft_config:
         drop.update(_names(peft_model, prefix, plan, name, save_embedding_layers=False))
     factors: dict[str, torch.Tensor] = {}  # the current phase's A and B, by key
-    deltas = {layer.weight_key: layer.delta(factors) for layer in layers}
+    scratch = [torch.empty(0)]  # the delta slice being added, reused
+    deltas = {layer.weight_key: layer.delta(factors, scratch) for layer in layers}
     of_weight = {layer.weight_key: (layer.a_key, layer.b_key) for layer in layers}
     everything = select(plan, [k for pair in of_weight.values() for k in pair])
 
@@ -244,16 +245,24 @@ class _Lora:
         self.b_key = f"{module}lora_B.{adapter_name}.weight"
         self.scaling = scaling
 
-    def delta(self, factors: dict[str, torch.Tensor]) -> Callable[[int, int], torch.Tensor]:
-        """Rows of the delta, from ``factors`` as its phase fetched them."""
+    def delta(
+        self, factors: dict[str, torch.Tensor], scratch: list[torch.Tensor]
+    ) -> Callable[[int, int], torch.Tensor]:
+        """Rows of the delta, from ``factors`` as its phase fetched them, in
+        ``scratch[0]`` (one float32 buffer every layer reuses: a slice of delta is
+        added to its row before the next is computed)."""
         scaling = self.scaling
 
         def rows(r0: int, r1: int) -> torch.Tensor:
-            a, b = factors[self.a_key], factors[self.b_key]
+            a, b = factors[self.a_key].float(), factors[self.b_key][r0:r1].float()
+            n = b.shape[0] * a.shape[1]
+            if scratch[0].numel() < n:
+                scratch[0] = torch.empty(n, dtype=torch.float32)
+            out = scratch[0][:n].view(b.shape[0], a.shape[1])
             # PEFT's get_delta_weight: (B @ A) * scaling, in float32 (as it does on the
             # CPU for 16-bit weights). Rows of a product are the product of the rows,
             # bit for bit: each element is the same length-r dot product.
-            return (b[r0:r1].float() @ a.float()) * scaling
+            return torch.mm(b, a, out=out).mul_(scaling)
 
         return rows
 
