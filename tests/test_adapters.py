@@ -160,6 +160,29 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
             bad += _merged_exports(model, config, rank, tmp, f"{kind}-{phased}", merged_want)
             plan = sg.adapters.merging(model, "default")(build_plan(model))
             out[f"phases_{phased}"] = len(plan.phases or ())
+    # Ranks on two hosts (pretended): rank 1 sends its merged pieces to rank 0 phase by
+    # phase, between the phases' factor gathers on the same group.
+    from shardgather._engine import node_local
+
+    os.environ["SHARDGATHER_HOST_ID"] = "host-" + "ab"[rank]
+    node_local._HOSTS.clear()  # host ids are agreed once per process group
+    node_local._MEMFD.clear()
+    try:
+        with _merge_in_phases(True):
+            before = _dist.STATS["bytes_received"]
+            two_hosts = sg.full_state_dict(model, merge_adapter="default")
+            out["two_hosts_received"] = _dist.STATS["bytes_received"] - before
+            one_file = os.path.join(tmp, f"{kind}-two-hosts.safetensors")
+            sg.save_full_state_dict(model, one_file, merge_adapter="default")
+    finally:
+        del os.environ["SHARDGATHER_HOST_ID"]
+        node_local._HOSTS.clear()
+        node_local._MEMFD.clear()
+    if rank == 0:
+        bad += ["two hosts: " + p for p in diff_state_dicts(two_hosts, merged_want)]
+        bad += [
+            "two hosts, file: " + p for p in diff_state_dicts(sg.load_file(one_file), merged_want)
+        ]
 
     # Load the adapter into a differently initialised sharded model: the adapter's
     # elements change (each rank reading its own), the base does not.
@@ -270,6 +293,8 @@ def test_adapter_export_and_load_bit_exact(kind: str, tmp_path) -> None:  # type
         assert r["load_result"] == [[], []]
         assert "missing keys" in r["partial_error"] and "Nothing was loaded" in r["partial_error"]
     r0 = res[0]
+    # On two hosts rank 0 receives rank 1's merged pieces (and both the factors).
+    assert r0["two_hosts_received"] > res[1]["two_hosts_received"] > 0
     # Only the adapter's bytes move: by point-to-point messages (the collective
     # transport) rank 0 receives the other rank's half of the adapter (plus the 16-byte
     # alignment of each chunk), never the frozen base that shares its flat parameters.
