@@ -27,10 +27,10 @@ pytest.importorskip("transformers")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _llama(seed: int):  # type: ignore[no-untyped-def]
+def _llama(seed: int, **sizes: int):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    tiny = dict(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=128,
@@ -38,6 +38,7 @@ def _llama(seed: int):  # type: ignore[no-untyped-def]
         num_attention_heads=4,
         num_key_value_heads=2,
     )
+    config = LlamaConfig(**{**tiny, **sizes})
     torch.manual_seed(seed)
     return LlamaForCausalLM(config), config
 
@@ -469,22 +470,20 @@ def merged_memory_worker(rank: int, world: int, tmp: str) -> dict:  # type: igno
     the 1-D save bound (two 16 MiB buckets + 64 MiB), FSDP2 on 2 ranks."""
     from peft import LoraConfig, get_peft_model
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from shardgather import adapters
     from shardgather._memory import peak_rss_rise, trim
 
-    config = LlamaConfig(
+    base, _ = _llama(
+        0,
         vocab_size=512,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=36,
-        num_attention_heads=4,
         num_key_value_heads=4,
     )
-    torch.manual_seed(0)
     lora = LoraConfig(r=256, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-    pm = get_peft_model(LlamaForCausalLM(config), lora)
+    pm = get_peft_model(base, lora)
     for layer in pm.base_model.model.model.layers:
         fully_shard(layer)
     fully_shard(pm)

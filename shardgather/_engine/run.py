@@ -292,7 +292,7 @@ def gather_to_all(call: Call, plan: GatherPlan, bucket_mb: float) -> dict[str, t
     (a phase's ``prepare``: a merged export's LoRA factors): the collective transport
     into a host dict of fresh tensors. Collective over every rank of the plan's groups."""
     sink = HostDict(plan, receives=True)
-    sink.open(call, False, None, False)
+    sink.open(call, node_local=False, handoff=None, writes_pieces=False)
     for e in plan.entries.values():
         if e.source.group is None:
             sink.write_whole(e)

@@ -106,21 +106,21 @@ def _phases(
     """Consecutive sources, in plan order, grouped so that each group's merged entries
     cost at most the budget (a source over it alone); every rank groups alike (costs
     are full tensors' sizes, the same everywhere)."""
-    groups: list[tuple[list[int], list[str], int]] = [([], [], 0)]
+    phases: list[Phase] = []
+    indices: list[int] = []
+    held: list[str] = []
+    total = 0
     for src in plan.sources:
         keys = [e.key for e, _ in items.get(src.index, [])]
         cost = sum(fetch.cost[k] for k in keys)
-        indices, held, total = groups[-1]
         if held and total + cost > fetch.budget:
-            groups.append(([], [], 0))
-            indices, held, total = groups[-1]
+            phases.append(Phase(frozenset(indices), fetch.prepare(held)))
+            indices, held, total = [], [], 0
         indices.append(src.index)
         held.extend(keys)
-        groups[-1] = (indices, held, total + cost)
-    return [
-        Phase(frozenset(indices), fetch.prepare(held) if held else None)
-        for indices, held, _ in groups
-    ]
+        total += cost
+    phases.append(Phase(frozenset(indices), fetch.prepare(held) if held else None))
+    return phases
 
 
 def _merged_row(
