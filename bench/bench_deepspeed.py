@@ -9,8 +9,9 @@ each rank's optimizer file). Then, alternated (A B C, C B A, ...), each method r
 a fresh process with the checkpoint's pages evicted from the page cache first
 (drop_caches where allowed, else POSIX_FADV_DONTNEED on its files):
 
-- ``python -m shardgather consolidate DIR out.safetensors`` (default: one worker; fsync'ed);
-- the same with ``--workers 2`` (two threads copying at once);
+- ``python -m shardgather consolidate DIR out.safetensors`` (default: two reader threads
+  beside the O_DIRECT writer; fsync'ed);
+- the same with ``--workers 1`` (one reader);
 - ``deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(DIR, OUT,
   safe_serialization=True)``, then an fsync of what it wrote (it does not fsync).
 
@@ -80,8 +81,8 @@ with peak_rss_rise() as m:
     else:
         from shardgather.__main__ import main
         args = ["consolidate", src, os.path.join(out, "model.safetensors"), "--no-progress"]
-        if method == "sg-2":
-            args += ["--workers", "2"]
+        if method == "sg-1":
+            args += ["--workers", "1"]
         assert main(args) == 0
     elapsed = time.perf_counter() - t
 print(json.dumps({"time_s": elapsed, "peak_rss_rise": m["peak_rise"]}))
@@ -120,10 +121,10 @@ def main() -> None:
         ckpt_bytes = sum(
             os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(src) for n in ns
         )
-        outs = {m: os.path.join(root, m) for m in ("sg", "sg-2", "zero_to_fp32")}
+        outs = {m: os.path.join(root, m) for m in ("sg", "sg-1", "zero_to_fp32")}
         labels = {
             "sg": "shardgather consolidate -> one safetensors, fsync'ed",
-            "sg-2": "shardgather consolidate --workers 2",
+            "sg-1": "shardgather consolidate --workers 1",
             "zero_to_fp32": "DeepSpeed zero_to_fp32 (safe_serialization=True) + fsync",
         }
         times: dict[str, list[float]] = {m: [] for m in outs}
@@ -144,7 +145,7 @@ def main() -> None:
         ours = os.path.join(outs["sg"], "model.safetensors")
         verified = {
             "sg": _same(ours, os.path.join(outs["zero_to_fp32"], "model.safetensors")),
-            "sg-2": _same(ours, os.path.join(outs["sg-2"], "model.safetensors")),
+            "sg-1": _same(ours, os.path.join(outs["sg-1"], "model.safetensors")),
         }
         verified["zero_to_fp32"] = verified["sg"]
         size = os.path.getsize(ours) / 2**30

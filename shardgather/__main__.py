@@ -344,8 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workers",
         type=int,
         default=None,
-        help="threads copying at once (default 1: a single disk is fastest with one; "
-        "more for NVMe arrays, network filesystems or casts)",
+        help="threads reading at once, 64 MiB of memory each (default 2, 1 on one core: "
+        "a second read in flight keeps a single disk busy; more for NVMe arrays, "
+        "network filesystems or casts)",
     )
     args = ap.parse_args(argv)
     try:

@@ -14,6 +14,8 @@ from shardgather.__main__ import main
 from .compare import diff_state_dicts
 from .models import TinyLM
 
+MiB = 2**20
+
 
 @pytest.fixture
 def model() -> TinyLM:
@@ -148,3 +150,24 @@ def test_version_and_what_consolidate_wrote(tmp_path, capsys) -> None:  # type: 
     assert not diff_state_dicts(
         sg.load_file(tmp_path / "out" / "model.safetensors"), model.state_dict(), order=False
     )
+
+
+def test_consolidate_memory_is_its_buffers_not_the_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model many pieces large: the copy holds one 64 MiB buffer per reader plus the
+    writer's, whatever the size (issue 29's bound: <= 256 MiB per process)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardgather._memory import peak_rss_rise, trim
+    from shardgather.io.consolidate import BLOCK, DEFAULT_WORKERS, PIECE
+
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": torch.randn(12 * 2**20, generator=g) for i in range(8)}  # 8 x 48 MiB
+    with pytest.warns(UserWarning):
+        dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    trim()  # sd stays resident: the rise below is the copy's alone
+    out = tmp_path / "full.safetensors"
+    with peak_rss_rise() as m:
+        assert main(["consolidate", str(tmp_path / "dcp"), str(out), "--no-progress"]) == 0
+    bound = (DEFAULT_WORKERS + 1) * (PIECE + 2 * BLOCK) + 48 * MiB
+    assert m["peak_rise"] <= min(bound, 256 * MiB), m["peak_rise"] / MiB
+    assert not diff_state_dicts(sg.load_file(out), sd, order=False)

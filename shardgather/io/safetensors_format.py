@@ -276,12 +276,21 @@ def _aliases(path: str, raw: str | None, tensors: dict[str, TensorInfo]) -> dict
     return aliases
 
 
+READ_CALL = 16 * 2**20
+"""Bytes one read syscall asks for. Linux reads ahead of a sequential reader in
+windows of the device's ``read_ahead_kb``; one call much larger than the window is
+served by synchronous window-sized reads, one after another. Measured on this VM
+(cold cache, two files read alternately as a ZeRO-3 consolidation does): 64 MiB
+calls 0.4 GB/s, 16 MiB calls 1.6 GB/s."""
+
+
 def pread_into(fd: int, buf: torch.Tensor, offset: int) -> None:
-    """Fill the uint8 tensor ``buf`` from the file at ``offset`` (no intermediate copy)."""
+    """Fill the uint8 tensor ``buf`` from the file at ``offset`` (no intermediate copy),
+    in calls of at most READ_CALL bytes."""
     view = memoryview(buf.numpy()).cast("B")
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        n = os.preadv(fd, [view[done : done + READ_CALL]], offset + done)
         if n <= 0:
             raise CheckpointError(f"unexpected end of file at byte {offset + done}")
         done += n
