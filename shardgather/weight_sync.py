@@ -131,16 +131,32 @@ class _Wire:
             raise ConsumerError(f"weight sync: {what} timed out after {self.timeout}")
 
     def bcast(self, t: torch.Tensor, what: str) -> None:
+        self._wait(self.post(t), what)
+
+    def post(self, t: torch.Tensor) -> Any:
+        """A broadcast in flight (wait for it with :meth:`settle`); ``t`` must stay
+        alive and unchanged until then."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self._wait(self.group.broadcast([t], opts), what)
         self.sent += t.numel() * t.element_size()
+        return self.group.broadcast([t], opts)
 
-    def header(self, kind: int, *values: int) -> None:
+    def settle(self, works: list[tuple[Any, str]]) -> None:
+        for work, what in works:
+            self._wait(work, what)
+
+    def _header(self, kind: int, values: tuple[int, ...]) -> torch.Tensor:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         h[:3] = torch.tensor([MAGIC, VERSION, kind])
         h[3 : 3 + len(values)] = torch.tensor(values, dtype=torch.int64)
-        self.bcast(h, "a header")
+        return h
+
+    def header(self, kind: int, *values: int) -> None:
+        self.bcast(self._header(kind, values), "a header")
+
+    def post_header(self, kind: int, *values: int) -> tuple[Any, torch.Tensor]:
+        h = self._header(kind, values)
+        return self.post(h), h
 
     def read_header(self) -> list[int]:
         h = torch.zeros(_HEADER, dtype=torch.int64)
@@ -342,9 +358,12 @@ class WeightSender:
         return d
 
     def _send_delta(self, call: Call, plan: GatherPlan) -> int:
-        """Every rank's changed elements, chunk by chunk: chunk c of every rank goes to
-        the receivers before chunk c + 1 is read, so a rank holds a chunk or two of
-        delta at a time (a chunk: at most a bucket's bytes, sparse or dense)."""
+        """Every rank's changed elements, chunk by chunk, two chunks in flight: a rank
+        compares chunk c + 1 (into the other of its two scratch buffers) while chunk c
+        is on its way — from rank r to rank 0, and from rank 0 to the receivers — so
+        the compare, the relay and the wire overlap instead of taking turns. A rank
+        holds at most two chunks of delta at a time (a chunk: at most a bucket's bytes,
+        sparse or dense; the two scratch buffers together: one bucket)."""
         assert self._delta is not None
         full_keys = {k for k, e in plan.entries.items() if not _deltable(e, call)}
         if full_keys:
@@ -354,14 +373,27 @@ class WeightSender:
         counts = call.round("delta chunks", payload=len(mine), gather="all")
         group = _dist.data_group(call) if call.world > 1 else None
         changed = 0
-        pending: list[Any] = []  # this rank's sends in flight (and what they send)
+        # Per chunk in flight: (data-group sends or receives to wait for, wire
+        # broadcasts to wait for, the tensors they move, kept alive until then).
+        flight: list[tuple[list[Any], list[tuple[Any, str]], list[torch.Tensor]]] = []
+
+        def land(sends: list[Any], casts: list[tuple[Any, str]], _: list[torch.Tensor]) -> None:
+            for w in sends:
+                call.wait(w, "sending a delta to rank 0", 0)
+            if casts:
+                assert self.wire is not None
+                self.wire.settle(casts)
+
         for c in range(max(counts)):
-            for w in pending:  # before the chunk's scratch is written again
-                call.wait(w[0], "sending a delta to rank 0", 0)
-            pending = []
-            msg = mine[c]() if c < len(mine) else None
+            while len(flight) >= 2:  # chunk c - 2's scratch is written again now
+                land(*flight.pop(0))
+            msg = mine[c](c % 2) if c < len(mine) else None
             if msg is not None:
                 changed += msg[4]
+            sends: list[Any] = []
+            casts: list[tuple[Any, str]] = []
+            keep: list[torch.Tensor] = []
+            flight.append((sends, casts, keep))
             if call.rank != 0:
                 if msg is not None:
                     code, dense, _, index, _, values = msg
@@ -370,7 +402,8 @@ class WeightSender:
                     )
                     for j, t in enumerate((desc, index, values)):
                         if t.numel():
-                            pending.append((_dist.send(group, t, 0, 3 * c + j), t))
+                            sends.append(_dist.send(group, t, 0, 3 * c + j))
+                            keep.append(t)
                 continue
             assert self.wire is not None
             for r in range(call.world):
@@ -378,8 +411,7 @@ class WeightSender:
                     continue
                 if r == 0:
                     assert msg is not None
-                    code, dense, _, _, _, values = msg
-                    index = msg[3]
+                    code, dense, _, index, _, values = msg
                 else:
                     desc = torch.empty(5, dtype=torch.int64)
                     call.wait(_dist.recv(group, desc, r, 3 * c), "a delta", r)
@@ -391,43 +423,50 @@ class WeightSender:
                     values = torch.empty(n_values, dtype=_DTYPES[code])
                     if n_values:
                         call.wait(_dist.recv(group, values, r, 3 * c + 2), "a delta", r)
-                self.wire.header(
+                work, header = self.wire.post_header(
                     DELTA, code, dense, index.numel(), index.element_size(), values.numel()
                 )
+                casts.append((work, "a header"))
+                keep += [header, index, values]
                 if index.numel():
-                    self.wire.bcast(index, "a delta's positions")
+                    casts.append((self.wire.post(index), "a delta's positions"))
                 if values.numel():
-                    self.wire.bcast(values, "a delta's values")
-        for w in pending:
-            call.wait(w[0], "sending a delta to rank 0", 0)
+                    casts.append((self.wire.post(values), "a delta's values"))
+        for f in flight:
+            land(*f)
         call.round("changed", count=changed)
         return int(call.count)
 
     def _chunks(self, limit: int):  # type: ignore[no-untyped-def]
         """This rank's delta as chunks of at most ``limit`` bytes (consecutive pieces
-        together: small tensors share one message): each a callable that compares its
-        elements (updating the reference) and returns (dtype code, dense, 0, positions
-        or runs, changed count, values)."""
+        together: small tensors share one message): each a callable of the turn (which
+        of two scratch buffers) that compares its elements (updating the reference) and
+        returns (dtype code, dense, 0, positions or runs, changed count, values)."""
         assert self._delta is not None
         for dt, pieces in self._delta.pieces.items():
             ref = self._delta.reference[dt]
             last = max((p.position + p.numel for p in pieces), default=0)
             index_dtype = torch.int32 if last < 2**31 else torch.int64
             step = max(1, limit // dt.itemsize)
-            cap = (step * dt.itemsize) // (index_dtype.itemsize + dt.itemsize)
-            scratch = (torch.empty(cap, dtype=index_dtype), torch.empty(cap, dtype=dt))
+            # Two chunks in flight, each with half a bucket of (position, value) room.
+            cap = (step * dt.itemsize) // (index_dtype.itemsize + dt.itemsize) // 2
+            scratch = [
+                (torch.empty(cap, dtype=index_dtype), torch.empty(cap, dtype=dt)) for _ in range(2)
+            ]
             segs: list[tuple[int, torch.Tensor, int]] = []  # (position, elements, at)
             size = 0
             for p, a, src, at in _rows(pieces, step):
                 if size + src.numel() > step and segs:
-                    yield lambda segs=segs, ref=ref, scratch=scratch: _chunk_delta(
-                        segs, ref, scratch
+                    yield lambda turn, segs=segs, ref=ref, scratch=scratch: _chunk_delta(
+                        segs, ref, scratch[turn]
                     )
                     segs, size = [], 0
                 segs.append((p.position + a, src, at))
                 size += src.numel()
             if segs:
-                yield lambda segs=segs, ref=ref, scratch=scratch: _chunk_delta(segs, ref, scratch)
+                yield lambda turn, segs=segs, ref=ref, scratch=scratch: _chunk_delta(
+                    segs, ref, scratch[turn]
+                )
 
     def close(self) -> None:
         self.gatherer.close()
@@ -496,6 +535,7 @@ def _chunk_delta(
     dt = ref.dtype
     n = sum(src.numel() for _, src, _ in segs)
     cap = (n * dt.itemsize) // (scratch[0].element_size() + dt.itemsize)
+    cap = min(cap, scratch[0].numel())  # past the scratch's room, dense is at most 2x larger
     positions, values = scratch[0][:cap], scratch[1][:cap]  # reused chunk to chunk
     k = 0
     for position, src, at in segs:

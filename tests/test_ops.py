@@ -503,6 +503,37 @@ def test_diff_update_matches_reference(src_dt, ref_dt, index_dt, cap) -> None:  
     assert _diff(src, got[0], got[1], got[2], 0) == 0  # nothing changed since
 
 
+@pytest.mark.parametrize("ref_dt", [torch.bfloat16, torch.float16, torch.float32])
+def test_diff_update_across_cast_blocks(ref_dt) -> None:  # type: ignore[no-untyped-def]
+    """The CPU kernel casts 2**17 elements at a time into a reused scratch and compares
+    a word at a time: changes on both sides of a block boundary, in a last partial word,
+    and a room that runs out in the middle block stay exactly the reference's."""
+    block = 1 << 17
+    n = 3 * block + 5  # a tail shorter than a word
+    src = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    ref = src.to(ref_dt).clone()  # (not src itself when the dtypes match)
+    where = torch.tensor([0, 1, block - 1, block, block + 1, 2 * block - 1, 2 * block, n - 1])
+    src[where] += 1.0
+    for cap in (n, 5):  # all recorded; room for the first five only
+        got = [
+            ref.clone(),
+            torch.full((cap,), -1, dtype=torch.int32),
+            torch.zeros(cap, dtype=ref_dt),
+        ]
+        want = [
+            ref.clone(),
+            torch.full((cap,), -1, dtype=torch.int32),
+            torch.zeros(cap, dtype=ref_dt),
+        ]
+        k = _diff(src, *got, 11)
+        k_ref = torch.zeros(1, dtype=torch.int64)
+        _reference.diff_update(src, *want, k_ref, 11)
+        assert k == int(k_ref[0]) == len(where)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(got[1][:5], where[:5].to(torch.int32) + 11)
+
+
 def _diff(src, ref, positions, values, base) -> int:  # type: ignore[no-untyped-def]
     count = torch.zeros(1, dtype=torch.int64)
     ops.diff_update(src, ref, positions, values, count, base)
