@@ -254,17 +254,25 @@ class _Lora:
         scaling = self.scaling
 
         def rows(r0: int, r1: int) -> torch.Tensor:
-            a, b = factors[self.a_key].float(), factors[self.b_key][r0:r1].float()
+            # At least MIN_DELTA_ROWS rows go through the GEMM, the asked ones among
+            # them: a product of 1-3, 5-7, 9-11 rows takes other BLAS kernels whose
+            # sums round differently from PEFT's whole-weight product (seen on AVX-512).
+            total = factors[self.b_key].shape[0]
+            w0 = max(0, min(r0, r1 - MIN_DELTA_ROWS))
+            w1 = min(total, max(r1, w0 + MIN_DELTA_ROWS))
+            a, b = factors[self.a_key].float(), factors[self.b_key][w0:w1].float()
             n = b.shape[0] * a.shape[1]
             if scratch[0].numel() < n:
                 scratch[0] = torch.empty(n, dtype=torch.float32)
             out = scratch[0][:n].view(b.shape[0], a.shape[1])
             # PEFT's get_delta_weight: (B @ A) * scaling, in float32 (as it does on the
-            # CPU for 16-bit weights). Rows of a product are the product of the rows,
-            # bit for bit: each element is the same length-r dot product.
-            return torch.mm(b, a, out=out).mul_(scaling)
+            # CPU for 16-bit weights); each element the same length-r dot product.
+            return torch.mm(b, a, out=out).mul_(scaling)[r0 - w0 : r1 - w0]
 
         return rows
+
+
+MIN_DELTA_ROWS = 16
 
 
 def _lora_layers(model: nn.Module, peft_model: Any, adapter_name: str) -> list[_Lora]:

@@ -39,39 +39,28 @@ int64_t diff_loop(const R* cur, R* ref, int64_t n, I* pos, R* val, int64_t cap, 
                   int64_t k) {
   using Bits = typename BitsOf<R>::type;
   constexpr int64_t kPerWord = sizeof(uint64_t) / sizeof(R);
+  auto element = [&](int64_t j) {
+    Bits x, y;
+    std::memcpy(&x, cur + j, sizeof(Bits));
+    std::memcpy(&y, ref + j, sizeof(Bits));
+    if (x != y) {
+      ref[j] = cur[j];
+      if (k < cap) {
+        pos[k] = static_cast<I>(base + j);
+        val[k] = cur[j];
+      }
+      ++k;
+    }
+  };
   int64_t i = 0;
   for (; i + kPerWord <= n; i += kPerWord) {
     uint64_t a, b;
     std::memcpy(&a, cur + i, sizeof(a));
     std::memcpy(&b, ref + i, sizeof(b));
     if (a == b) continue;
-    for (int64_t j = i; j < i + kPerWord; ++j) {
-      Bits x, y;
-      std::memcpy(&x, cur + j, sizeof(Bits));
-      std::memcpy(&y, ref + j, sizeof(Bits));
-      if (x != y) {
-        ref[j] = cur[j];
-        if (k < cap) {
-          pos[k] = static_cast<I>(base + j);
-          val[k] = cur[j];
-        }
-        ++k;
-      }
-    }
+    for (int64_t j = i; j < i + kPerWord; ++j) element(j);
   }
-  for (; i < n; ++i) {
-    Bits x, y;
-    std::memcpy(&x, cur + i, sizeof(Bits));
-    std::memcpy(&y, ref + i, sizeof(Bits));
-    if (x != y) {
-      ref[i] = cur[i];
-      if (k < cap) {
-        pos[k] = static_cast<I>(base + i);
-        val[k] = cur[i];
-      }
-      ++k;
-    }
-  }
+  for (; i < n; ++i) element(i);
   return k;
 }
 
