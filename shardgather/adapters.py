@@ -33,6 +33,8 @@ from .errors import CheckpointError, ShardGatherError, UnsupportedModelError
 
 WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
 CONFIG_NAME = "adapter_config.json"  # PEFT's CONFIG_NAME
+# Rows of B per delta GEMM at the least: fewer take other BLAS kernels (see _Lora.delta).
+MIN_DELTA_ROWS = 16
 
 
 def adapter_keys(
@@ -270,9 +272,6 @@ class _Lora:
             return torch.mm(b, a, out=out).mul_(scaling)[r0 - w0 : r1 - w0]
 
         return rows
-
-
-MIN_DELTA_ROWS = 16
 
 
 def _lora_layers(model: nn.Module, peft_model: Any, adapter_name: str) -> list[_Lora]:

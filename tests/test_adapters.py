@@ -535,3 +535,24 @@ def test_merged_exports_hold_a_phase_of_factors_not_the_adapter(tmp_path) -> Non
         for name in ("save", "save_collective", "stream"):
             assert r[name] <= bound, (name, r)
         assert r["save_all_at_once"] > bound, r
+
+
+def test_merged_delta_rows_are_the_whole_products_rows() -> None:
+    """A merged export adds the delta a slice of rows at a time (and a shard may start
+    mid-weight): every slice, one row up to all of them, must be bit for bit the rows
+    of PEFT's whole-weight ``B @ A * scaling`` — GEMMs of a few rows take other BLAS
+    kernels (on AVX-512 machines 1-3, 5-7 and 9-11 rows rounded differently)."""
+    from shardgather.adapters import _Lora
+
+    g = torch.Generator().manual_seed(0)
+    lora = _Lora("m.", "default", 0.5)
+    out_f, r, in_f = 40, 16, 64
+    factors = {
+        lora.a_key: torch.randn(r, in_f, generator=g),
+        lora.b_key: torch.randn(out_f, r, generator=g),
+    }
+    whole = (factors[lora.b_key].float() @ factors[lora.a_key].float()) * 0.5
+    rows = lora.delta(factors, [torch.empty(0)])
+    for r0 in range(out_f):
+        for r1 in range(r0 + 1, out_f + 1):
+            assert torch.equal(rows(r0, r1), whole[r0:r1]), (r0, r1)

@@ -514,17 +514,16 @@ def test_diff_update_across_cast_blocks(ref_dt) -> None:  # type: ignore[no-unty
     ref = src.to(ref_dt).clone()  # (not src itself when the dtypes match)
     where = torch.tensor([0, 1, block - 1, block, block + 1, 2 * block - 1, 2 * block, n - 1])
     src[where] += 1.0
+
+    def fresh(cap: int) -> list[torch.Tensor]:
+        return [
+            ref.clone(),
+            torch.full((cap,), -1, dtype=torch.int32),
+            torch.zeros(cap, dtype=ref_dt),
+        ]
+
     for cap in (n, 5):  # all recorded; room for the first five only
-        got = [
-            ref.clone(),
-            torch.full((cap,), -1, dtype=torch.int32),
-            torch.zeros(cap, dtype=ref_dt),
-        ]
-        want = [
-            ref.clone(),
-            torch.full((cap,), -1, dtype=torch.int32),
-            torch.zeros(cap, dtype=ref_dt),
-        ]
+        got, want = fresh(cap), fresh(cap)
         k = _diff(src, *got, 11)
         k_ref = torch.zeros(1, dtype=torch.int64)
         _reference.diff_update(src, *want, k_ref, 11)
