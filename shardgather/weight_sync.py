@@ -41,6 +41,7 @@ and every trainer rank raises (the engine's latch), within the timeout.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import itertools
 import json
@@ -63,7 +64,7 @@ from .errors import CollectiveError, ShardGatherError, StateDictMismatchError
 from .stream import Gatherer, PackedBucket
 
 MAGIC, VERSION = 0x53475359, 1  # "SGSY"
-BEGIN, BUCKET, DELTA, END = 1, 2, 3, 4
+BEGIN, BUCKET, DELTA, END, PIECES = 1, 2, 3, 4, 5
 FULL, DELTA_MODE = 0, 1
 _HEADER = 8
 _DTYPES = [
@@ -116,11 +117,23 @@ _STORES: dict[int, Any] = {}
 
 
 class _Wire:
-    """Broadcasts from rank 0 of the sync group, each bounded by the timeout."""
+    """The sync group's messages, each wait bounded by the timeout.
 
-    def __init__(self, group: Any, timeout: datetime.timedelta) -> None:
+    Two kinds: **control** (a sync's start, its layout, the verdicts) goes to every
+    member — broadcasts from rank 0 and all-reduces, which every trainer rank in the
+    group takes part in; **streams** carry the data, one per sending trainer rank. With
+    only trainer rank 0 in the group (*relayed*), its stream is broadcasts too; with
+    every trainer rank in it (*direct*: ranks ``0 .. trainers - 1`` are the trainer's,
+    the rest workers), each trainer rank sends its own stream to every worker point to
+    point and a worker reads each stream in the order it was sent."""
+
+    def __init__(self, group: Any, timeout: datetime.timedelta, *, receiver: bool = False) -> None:
         self.group, self.timeout = group, timeout
-        self.sent = 0
+        self.sent = 0  # bytes this member sent (a receiver: received)
+        # Control broadcasts count on their root and where they are received by a worker.
+        self._counts_control = receiver or group.rank() == 0
+        self.direct = False
+        self.workers: list[int] = []  # direct: the group ranks a stream goes to
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -130,20 +143,14 @@ class _Wire:
         if ok is False:
             raise ConsumerError(f"weight sync: {what} timed out after {self.timeout}")
 
-    def bcast(self, t: torch.Tensor, what: str) -> None:
-        self._wait(self.post(t), what)
+    # -------------------------------------------------------------- control
 
-    def post(self, t: torch.Tensor) -> Any:
-        """A broadcast in flight (wait for it with :meth:`settle`); ``t`` must stay
-        alive and unchanged until then."""
+    def bcast(self, t: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.sent += t.numel() * t.element_size()
-        return self.group.broadcast([t], opts)
-
-    def settle(self, works: list[tuple[Any, str]]) -> None:
-        for work, what in works:
-            self._wait(work, what)
+        if self._counts_control:
+            self.sent += t.numel() * t.element_size()
+        self._wait(self.group.broadcast([t], opts), what)
 
     def _header(self, kind: int, values: tuple[int, ...]) -> torch.Tensor:
         h = torch.zeros(_HEADER, dtype=torch.int64)
@@ -154,13 +161,12 @@ class _Wire:
     def header(self, kind: int, *values: int) -> None:
         self.bcast(self._header(kind, values), "a header")
 
-    def post_header(self, kind: int, *values: int) -> tuple[Any, torch.Tensor]:
-        h = self._header(kind, values)
-        return self.post(h), h
-
     def read_header(self) -> list[int]:
         h = torch.zeros(_HEADER, dtype=torch.int64)
         self.bcast(h, "a header")
+        return self._check(h)
+
+    def _check(self, h: torch.Tensor) -> list[int]:
         got = h.tolist()
         if got[0] != MAGIC or got[1] != VERSION:
             raise ConsumerError(
@@ -179,13 +185,60 @@ class _Wire:
             self.bcast(t, "metadata")
         return bytes(t.numpy())
 
-    def verdict(self, code: int, flag: int = 0) -> tuple[int, int]:
-        """Every member's worst (code, flag): the one message a receiver sends back."""
-        t = torch.tensor([code, flag], dtype=torch.int64)
+    def verdict(self, code: int, flag: int = 0, count: int = 0) -> tuple[int, int, int]:
+        """Summed over every member: (code, flag, count) — a code or flag is set when any
+        member set it; ``count``, e.g. the elements each trainer rank found changed."""
+        t = torch.tensor([code, flag, count], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp.SUM
         self._wait(self.group.allreduce([t], opts), "the verdict")
-        return int(t[0]), int(t[1])
+        return int(t[0]), int(t[1]), int(t[2])
+
+    # -------------------------------------------------------------- streams
+
+    def post(self, t: torch.Tensor) -> list[Any]:
+        """This rank's stream: ``t`` on its way to every worker (wait for the returned
+        works with :meth:`settle`); ``t`` must stay alive and unchanged until then."""
+        if not self.direct:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.sent += t.numel() * t.element_size()
+            return [self.group.broadcast([t], opts)]
+        self.sent += t.numel() * t.element_size() * len(self.workers)
+        return [self.group.send([t], w, 0) for w in self.workers]
+
+    def post_header(self, kind: int, *values: int) -> tuple[list[Any], torch.Tensor]:
+        h = self._header(kind, values)
+        return self.post(h), h
+
+    def put(self, t: torch.Tensor, what: str) -> None:
+        self.settle([(w, what) for w in self.post(t)])
+
+    def put_header(self, kind: int, *values: int) -> None:
+        works, _ = self.post_header(kind, *values)
+        self.settle([(w, "a header") for w in works])
+
+    def settle(self, works: list[tuple[Any, str]]) -> None:
+        for work, what in works:
+            self._wait(work, what)
+
+    def take(self, t: torch.Tensor, src: int) -> Any:
+        """A worker: the next message of trainer rank ``src``'s stream into ``t``, in
+        flight (relayed: rank 0's broadcast)."""
+        self.sent += t.numel() * t.element_size()
+        if not self.direct:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            return self.group.broadcast([t], opts)
+        return self.group.recv([t], src, 0)
+
+    def get(self, t: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        if t.numel():
+            self._wait(self.take(t, src), what)
+        return t
+
+    def get_header(self, src: int) -> list[int]:
+        return self._check(self.get(torch.zeros(_HEADER, dtype=torch.int64), src, "a header"))
 
 
 def _layout_doc(plan: GatherPlan) -> dict[str, Any]:
@@ -221,9 +274,12 @@ class _Delta:
 class WeightSender:
     """Sends a (sharded) model's full weights to the inference side of a sync group.
 
-    Create it on every trainer rank (``group``: the sync group on global rank 0, from
-    :func:`connect_sync_group`; ``None`` elsewhere); call :meth:`sync` on every rank
-    after each step, in the same order as the receivers call ``receive``.
+    Create it on every trainer rank and call :meth:`sync` on every rank after each
+    step, in the same order as the receivers call ``receive``. ``group``: the sync
+    group (:func:`connect_sync_group`) — either on every trainer rank (*direct*: each
+    rank sends its own pieces to the workers; the fast way) or on global rank 0 only,
+    ``None`` elsewhere (*relayed*: rank 0 gathers and sends everything, for engines
+    that can only join one trainer process).
 
     Args:
         model: as for :func:`shardgather.full_state_dict` (FSDP1, FSDP2, plain).
@@ -251,23 +307,52 @@ class WeightSender:
         self.gatherer = Gatherer(
             model, dtype=dtype, keys=keys, bucket_mb=bucket_mb, timeout=timeout
         )
+        self._direct: bool | None = None  # learnt by the first sync
         self._delta: _Delta | None = None  # set by a full sync the receivers can extend
         self._fingerprint = ""  # of the layout the receivers hold
         self._metas: dict[int, bytes] = {}  # each bucket's contents, as the receivers have them
+        self._rows: torch.Tensor | None = None  # direct: this rank's pieces, as they have them
 
     def sync(self, *, full: bool = False) -> dict[str, Any]:
         """Send the weights now (every trainer rank). ``full``: send everything even if
         a delta could. Returns what was sent: ``mode``, ``bytes`` (on the wire, from
-        rank 0), ``changed`` (delta: elements changed, all ranks)."""
+        this rank; relayed: all from rank 0), ``changed`` (delta: elements changed, all
+        ranks)."""
         with Call("WeightSender.sync", self.timeout) as call:
-            if call.rank == 0 and self.wire is None:
-                raise ShardGatherError("WeightSender: global rank 0 needs the sync group")
             try:
+                if self._direct is None:
+                    self._direct = self._learn_mode(call)
                 return self._sync(call, full)
             except BaseException:
                 # The receivers' state is unknown: the next sync starts over.
-                self._delta, self._fingerprint, self._metas = None, "", {}
+                self._delta, self._fingerprint, self._metas, self._rows = None, "", {}, None
                 raise
+
+    def _learn_mode(self, call: Call) -> bool:
+        """Direct when every trainer rank holds the sync group (as its ranks 0 .. world
+        - 1), relayed when global rank 0 alone does."""
+        held = call.round("sync group", payload=self.wire is not None, gather="all")
+        if all(held) and call.world > 1:
+            assert self.wire is not None
+            size, mine = self.wire.group.size(), self.wire.group.rank()
+            if mine != call.rank or size <= call.world:
+                raise ShardGatherError(
+                    f"WeightSender: trainer rank {call.rank} is rank {mine} of a sync group "
+                    f"of {size}: with the group on every trainer rank, trainer rank r must "
+                    f"join it as rank r and the workers as ranks {call.world} and up"
+                )
+            self.wire.direct = True
+            self.wire.workers = list(range(call.world, size))
+            return True
+        if not held[0] or any(held[1:]):
+            raise ShardGatherError(
+                "WeightSender needs the sync group on every trainer rank (direct) or on "
+                f"global rank 0 alone (relayed); ranks {[r for r, h in enumerate(held) if h]} "
+                "of the trainer hold one"
+            )
+        if self.wire is not None:
+            self.wire.workers = list(range(1, self.wire.group.size()))
+        return False
 
     def _sync(self, call: Call, full: bool) -> dict[str, Any]:
         plan = build_plan(self.model, dtype=self.dtype, keys=self.keys)
@@ -275,13 +360,14 @@ class WeightSender:
         changed_layout = plan.fingerprint != self._fingerprint
         delta = self.delta and not full and not changed_layout and self._delta is not None
         before = self.wire.sent if self.wire else 0
-        verdict = (0, 0)
+        verdict = (0, 0, 0)
         if self.wire is not None:
             layout = json.dumps(doc).encode() if changed_layout else b""
-            self.wire.header(BEGIN, DELTA_MODE if delta else FULL, len(layout))
+            trainers = call.world if self._direct else 1
+            self.wire.header(BEGIN, DELTA_MODE if delta else FULL, len(layout), trainers)
             self.wire.blob(layout)
             verdict = self.wire.verdict(0, 0)
-        no_delta = _agree(
+        no_delta = self._agree(
             call,
             "receivers",
             verdict,
@@ -289,31 +375,49 @@ class WeightSender:
             "tensors; see its error): nothing was sent",
         )
         self._fingerprint = plan.fingerprint
-        changed = None
+        changed = 0
         if delta:
             changed = self._send_delta(call, plan)
+        elif self._direct and not no_delta:  # every receiver has a target to write into
+            self._send_full_direct(call, plan)
         else:
             self._send_full(call, plan)
             self._delta = None if no_delta else self._remember(plan, call)
         if self.wire is not None:
-            self.wire.header(END)
-            verdict = self.wire.verdict(0, 0)
-        _agree(
+            self.wire.put_header(END)
+            verdict = self.wire.verdict(0, 0, changed)
+        self._agree(
             call,
             "applied",
             verdict,
             "a receiver failed while applying the weights (see its error); the next sync "
             "sends everything",
         )
+        total = None  # elements changed, all ranks (a delta)
+        if delta and not self._direct:
+            call.round("changed", count=changed)
+            total = int(call.count)
+        elif delta:
+            total = verdict[2]
         sent = (self.wire.sent - before) if self.wire else 0
-        return {"mode": "delta" if delta else "full", "bytes": sent, "changed": changed}
+        return {"mode": "delta" if delta else "full", "bytes": sent, "changed": total}
+
+    def _agree(self, call: Call, name: str, verdict: tuple[int, int, int], failure: str) -> int:
+        """Every trainer rank learns the receivers' verdict (direct: from the wire; relayed:
+        rank 0 has it and tells the others) and raises on a failure; returns its flag."""
+        if not self._direct:
+            verdict = call.round(name, payload=verdict, gather="rank0")
+        if verdict[0]:
+            raise ConsumerError(f"weight sync: {failure}")
+        return int(verdict[1])
 
     # -------------------------------------------------------------- full
 
     def _send_full(self, call: Call, plan: GatherPlan, keys: set[str] | None = None) -> None:
+        """Packed buckets, gathered to and sent from rank 0."""
         sub = plan if keys is None else _subset(plan, keys)
         for i, pb in enumerate(self.gatherer.packed(call, sub)):
-            if self.wire is not None:
+            if self.wire is not None and call.rank == 0:
                 self._send_bucket(pb, i + (0 if keys is None else 1 << 20))
 
     def _send_bucket(self, pb: PackedBucket, i: int) -> None:
@@ -322,16 +426,51 @@ class WeightSender:
         assert self.wire is not None
         meta = json.dumps([[n, o, z] for n, o, z in zip(pb.names, pb.offsets, pb.sizes)]).encode()
         same = self._metas.get(i) == meta
-        self.wire.header(BUCKET, 0 if same else len(meta), pb.nbytes, i)
+        self.wire.put_header(BUCKET, 0 if same else len(meta), pb.nbytes, i)
         if not same:
-            self.wire.blob(meta)
+            self.wire.put(torch.frombuffer(bytearray(meta), dtype=torch.uint8), "metadata")
             self._metas[i] = meta
-        self.wire.bcast(pb.buffer, "a bucket")
+        self.wire.put(pb.buffer, "a bucket")
+
+    def _send_full_direct(self, call: Call, plan: GatherPlan) -> None:
+        """Direct: the tensors no rank holds alone go as packed buckets from rank 0; then
+        every rank casts its own pieces into what it keeps as sent (the delta's
+        reference) and sends them from there, each straight into the workers' targets —
+        nothing is gathered, each element crosses the wire once, from its owner."""
+        assert self.wire is not None
+        full_keys = {k for k, e in plan.entries.items() if not _deltable(e, call)}
+        if full_keys:
+            self._send_full(call, plan, full_keys)
+        d = self._own(plan, call)
+        rows = torch.tensor(
+            [
+                [p.position + a, src.numel()]
+                for dt in d.pieces
+                for p, a, src, _ in _rows(d.pieces[dt])
+            ],
+            dtype=torch.int64,
+        ).reshape(-1, 2)
+        same = self._rows is not None and torch.equal(self._rows, rows)
+        self.wire.put_header(PIECES, 0 if same else rows.shape[0])
+        if not same:
+            self.wire.put(rows, "the pieces' places")
+            self._rows = rows
+        works: list[tuple[Any, str]] = []
+        for dt, pieces in d.pieces.items():
+            ref = d.reference[dt]
+            for _, _, src, at in _rows(pieces):
+                view = ref[at : at + src.numel()]
+                view.copy_(src)  # cast while the last piece is on the wire
+                works += [(w, "a piece") for w in self.wire.post(view)]
+        self.wire.settle(works)
+        self._delta = d if self.delta else None
 
     # -------------------------------------------------------------- delta
 
-    def _remember(self, plan: GatherPlan, call: Call) -> _Delta | None:
-        """After a full sync: this rank's own pieces of the delta-able tensors, as sent."""
+    def _own(self, plan: GatherPlan, call: Call) -> _Delta:
+        """This rank's own pieces of the delta-able tensors, per sent dtype, and room for
+        them as sent (the last reference's buffers where they fit: their pages are
+        already there)."""
         d = _Delta()
         positions, pos = {}, 0
         for k in plan.keys:
@@ -352,23 +491,58 @@ class WeightSender:
         for dt, pieces in d.pieces.items():
             n = sum(p.numel for p in pieces)
             ref = old.get(dt)
-            if ref is None or ref.numel() != n:  # else reused: its pages are already there
-                ref = torch.empty(n, dtype=dt)
-            d.reference[dt] = _current(pieces, dt, ref)
+            d.reference[dt] = (
+                ref if ref is not None and ref.numel() == n else torch.empty(n, dtype=dt)
+            )
+        return d
+
+    def _remember(self, plan: GatherPlan, call: Call) -> _Delta:
+        """After a relayed full sync: this rank's own pieces, as sent."""
+        d = self._own(plan, call)
+        for dt, pieces in d.pieces.items():
+            _current(pieces, dt, d.reference[dt])
         return d
 
     def _send_delta(self, call: Call, plan: GatherPlan) -> int:
-        """Every rank's changed elements, chunk by chunk, two chunks in flight: a rank
-        compares chunk c + 1 (into the other of its two scratch buffers) while chunk c
-        is on its way — from rank r to rank 0, and from rank 0 to the receivers — so
-        the compare, the relay and the wire overlap instead of taking turns. A rank
-        holds at most two chunks of delta at a time (a chunk: at most a bucket's bytes,
-        sparse or dense; the two scratch buffers together: one bucket)."""
         assert self._delta is not None
         full_keys = {k for k, e in plan.entries.items() if not _deltable(e, call)}
         if full_keys:
             self._send_full(call, plan, full_keys)
         limit = self.gatherer.options.bucket_bytes(False)
+        if self._direct:
+            return self._send_delta_direct(limit)
+        return self._send_delta_relayed(call, limit)
+
+    def _send_delta_direct(self, limit: int) -> int:
+        """Direct: this rank's changed elements, chunk by chunk, straight to the workers,
+        two chunks in flight (it compares chunk c + 1 into its other scratch buffer while
+        chunk c is on the wire). A chunk where nothing changed sends nothing."""
+        assert self.wire is not None
+        changed = 0
+        flight: list[tuple[list[tuple[Any, str]], list[torch.Tensor]]] = []
+        for c, compare in enumerate(self._chunks(limit)):
+            while len(flight) >= 2:  # chunk c - 2's scratch is written again now
+                self.wire.settle(flight.pop(0)[0])
+            code, dense, _, index, k, values = compare(c % 2)
+            changed += k
+            if not index.numel():
+                continue
+            works, header = self.wire.post_header(
+                DELTA, code, dense, index.numel(), index.element_size(), values.numel()
+            )
+            works += self.wire.post(index) + self.wire.post(values)
+            flight.append(([(w, "a delta") for w in works], [header, index, values]))
+        for works, _ in flight:
+            self.wire.settle(works)
+        return changed
+
+    def _send_delta_relayed(self, call: Call, limit: int) -> int:
+        """Relayed: every rank's changed elements, chunk by chunk, two chunks in flight:
+        a rank compares chunk c + 1 (into the other of its two scratch buffers) while
+        chunk c is on its way — from rank r to rank 0, and from rank 0 to the receivers —
+        so the compare, the relay and the wire overlap instead of taking turns. A rank
+        holds at most two chunks of delta at a time (a chunk: at most a bucket's bytes,
+        sparse or dense; the two scratch buffers together: one bucket)."""
         mine = list(self._chunks(limit))
         counts = call.round("delta chunks", payload=len(mine), gather="all")
         group = _dist.data_group(call) if call.world > 1 else None
@@ -423,19 +597,18 @@ class WeightSender:
                     values = torch.empty(n_values, dtype=_DTYPES[code])
                     if n_values:
                         call.wait(_dist.recv(group, values, r, 3 * c + 2), "a delta", r)
-                work, header = self.wire.post_header(
+                works, header = self.wire.post_header(
                     DELTA, code, dense, index.numel(), index.element_size(), values.numel()
                 )
-                casts.append((work, "a header"))
+                casts += [(w, "a header") for w in works]
                 keep += [header, index, values]
                 if index.numel():
-                    casts.append((self.wire.post(index), "a delta's positions"))
+                    casts += [(w, "a delta's positions") for w in self.wire.post(index)]
                 if values.numel():
-                    casts.append((self.wire.post(values), "a delta's values"))
+                    casts += [(w, "a delta's values") for w in self.wire.post(values)]
         for f in flight:
             land(*f)
-        call.round("changed", count=changed)
-        return int(call.count)
+        return changed
 
     def _chunks(self, limit: int):  # type: ignore[no-untyped-def]
         """This rank's delta as chunks of at most ``limit`` bytes (consecutive pieces
@@ -471,15 +644,6 @@ class WeightSender:
     def close(self) -> None:
         self.gatherer.close()
         self._delta = None
-
-
-def _agree(call: Call, name: str, verdict: tuple[int, int], failure: str) -> int:
-    """Every trainer rank learns the receivers' verdict (rank 0 has it from the wire) and
-    raises on a failure; returns the verdict's flag."""
-    code, flag = call.round(name, payload=verdict, gather="rank0")
-    if code:
-        raise ConsumerError(f"weight sync: {failure}")
-    return int(flag)
 
 
 def _subset(plan: GatherPlan, keys: set[str]) -> GatherPlan:
@@ -576,7 +740,7 @@ class WeightReceiver:
         on_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
-        self.wire = _Wire(group, timeout)
+        self.wire = _Wire(group, timeout, receiver=True)
         self.target = dict(target) if target is not None else None
         self.on_weights = on_weights
         self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] = []
@@ -585,30 +749,34 @@ class WeightReceiver:
         self._applier: ThreadPoolExecutor | None = None
         self._metas: dict[int, Any] = {}  # each bucket's contents, as last sent
         self._deltas: dict[tuple[str, int], torch.Tensor] = {}  # delta buffers, two pairs
+        self._pieces: dict[int, torch.Tensor] = {}  # direct: each trainer rank's pieces
 
     def receive(self) -> dict[str, Any]:
         """One sync: returns ``mode`` and ``bytes`` received. Raises
         :class:`StateDictMismatchError` when the layout does not fit ``target``, or what
         ``on_weights`` raised (after the sync was drained and the sender told)."""
         before = self.wire.sent
-        kind, mode, layout_len, *_ = self.wire.read_header()
+        kind, mode, layout_len, trainers, *_ = self.wire.read_header()
         if kind != BEGIN:
             raise ConsumerError(f"weight sync: expected the start of a sync, got message {kind}")
+        self.wire.direct = trainers > 1
         problem: BaseException | None = None
         if layout_len:
+            self._pieces = {}  # each trainer rank's pieces are sent again with a new layout
             doc = json.loads(self.wire.blob(None, layout_len))
             try:
                 self._take_layout(doc)
             except StateDictMismatchError as exc:
                 problem = exc
         no_delta = 1 if self.target is None else 0
-        code, _ = self.wire.verdict(1 if problem else 0, no_delta)
+        code, _, _ = self.wire.verdict(1 if problem else 0, no_delta)
         if problem is not None:
             raise problem
         if code:
             raise ConsumerError("weight sync: another receiver refused the layout")
         failure: BaseException | None = None
-        pending: Future | None = None  # the apply of the previous bucket
+        pending: Future | None = None  # the apply of the previous message
+        landing: list[tuple[Any, str]] = []  # pieces received straight into the target
         turn = 0
 
         def settle() -> None:
@@ -620,33 +788,80 @@ class WeightReceiver:
                     failure = failure or exc
                 pending = None
 
-        while True:
-            kind, a, b, c, d, e = self.wire.read_header()
+        # One stream per trainer rank that sends (relayed: rank 0's broadcasts), read a
+        # message from each in turn until each has ended — but rank 0's buckets back to
+        # back: the other ranks send nothing until the gathers that fill them are done.
+        streams = list(range(trainers))
+        at = 0  # which of them is read next
+        while streams:
+            src = streams[at]
+            kind, a, b, c, d, e = self.wire.get_header(src)
             if kind == END:
-                break
-            if kind == BUCKET:
+                streams.pop(at)
+                at = at % len(streams) if streams else 0
+                continue
+            if kind == BUCKET:  # the same stream is read next
                 # Two buffers: bucket k is applied (copied into target, handed to
                 # on_weights) on a thread while bucket k+1 arrives in the other one.
-                meta, buf = self._receive_bucket(a, b, c, turn)
+                meta, buf = self._receive_bucket(a, b, c, turn, src)
                 turn ^= 1
                 settle()
                 if failure is None:
                     pending = self._pool().submit(self._apply_bucket, meta, buf)
-            elif kind == DELTA:
+                continue
+            if kind == DELTA:
                 # As buckets: chunk k is written into target on the thread while chunk
                 # k+1 arrives in the other pair of buffers.
-                index, values = self._receive_delta(a, c, d, e, turn)
+                index, values = self._receive_delta(a, c, d, e, turn, src)
                 turn ^= 1
                 settle()
                 if failure is None:
                     pending = self._pool().submit(self._apply_delta, b, index, values)
+            elif kind == PIECES:
+                landing += self._receive_pieces(src, a)
             else:
                 raise ConsumerError(f"weight sync: unexpected message {kind}")
+            at = (at + 1) % len(streams)
+        self.wire.settle(landing)
         settle()
+        if landing and failure is None and self.on_weights is not None:
+            try:
+                self.on_weights([(n, self.target[n]) for n in self._landed()])  # type: ignore[index]
+            except Exception as exc:
+                failure = exc
         self.wire.verdict(2 if failure else 0, 0)
         if failure is not None:
             raise failure
         return {"mode": "delta" if mode == DELTA_MODE else "full", "bytes": self.wire.sent - before}
+
+    def _receive_pieces(self, src: int, n_rows: int) -> list[tuple[Any, str]]:
+        """Direct: trainer rank ``src``'s own pieces, each received straight into its
+        place in ``target``; their places (layout position, elements) come with a new
+        layout and are kept."""
+        if n_rows:
+            self._pieces[src] = self.wire.get(
+                torch.empty(n_rows * 2, dtype=torch.int64), src, "the pieces' places"
+            ).view(-1, 2)
+        if self.target is None:
+            raise ConsumerError("weight sync: pieces need a target (the sender was told)")
+        rows = self._pieces[src].tolist()
+        starts = self._starts.tolist()
+        works = []
+        for position, count in rows:
+            i = bisect.bisect_right(starts, position) - 1
+            off = position - starts[i]
+            view = self.target[self.layout[i][0]].view(-1)[off : off + count]
+            works.append((self.wire.take(view, src), "a piece"))
+        return works
+
+    def _landed(self) -> list[str]:
+        """The names direct pieces were written to, in layout order."""
+        starts = self._starts.tolist()
+        hit = set()
+        for rows in self._pieces.values():
+            for position, _ in rows.tolist():
+                hit.add(bisect.bisect_right(starts, position) - 1)
+        return [self.layout[i][0] for i in sorted(hit)]
 
     def _take_layout(self, doc: dict[str, Any]) -> None:
         layout = [(n, tuple(s), getattr(torch, d)) for n, s, d in doc["tensors"]]
@@ -677,16 +892,16 @@ class WeightReceiver:
         return self._applier
 
     def _receive_bucket(
-        self, meta_len: int, nbytes: int, index: int, turn: int
+        self, meta_len: int, nbytes: int, index: int, turn: int, src: int
     ) -> tuple[Any, torch.Tensor]:
         if meta_len:
-            self._metas[index] = json.loads(self.wire.blob(None, meta_len))
+            raw = self.wire.get(torch.empty(meta_len, dtype=torch.uint8), src, "metadata")
+            self._metas[index] = json.loads(bytes(raw.numpy()))
         meta = self._metas[index]
         if self._buffers[turn].numel() < nbytes:
             self._buffers[turn] = torch.empty(0, dtype=torch.uint8)
             self._buffers[turn] = torch.empty(nbytes, dtype=torch.uint8)
-        buf = self._buffers[turn][:nbytes]
-        self.wire.bcast(buf, "a bucket")
+        buf = self.wire.get(self._buffers[turn][:nbytes], src, "a bucket")
         return meta, buf
 
     def _apply_bucket(self, meta: Any, buf: torch.Tensor) -> None:
@@ -707,15 +922,13 @@ class WeightReceiver:
         self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
 
     def _receive_delta(
-        self, dt_code: int, n_index: int, index_size: int, n_values: int, turn: int
+        self, dt_code: int, n_index: int, index_size: int, n_values: int, turn: int, src: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         index = self._scratch(("index", turn), n_index * index_size).view(_BITS[index_size])
         dt = _DTYPES[dt_code]
         values = self._scratch(("values", turn), n_values * dt.itemsize).view(dt)
-        if n_index:
-            self.wire.bcast(index, "a delta's positions")
-        if n_values:
-            self.wire.bcast(values, "a delta's values")
+        self.wire.get(index, src, "a delta's positions")
+        self.wire.get(values, src, "a delta's values")
         return index, values
 
     def _scratch(self, key: tuple[str, int], nbytes: int) -> torch.Tensor:
