@@ -23,7 +23,8 @@ if "--inference-worker" in sys.argv:  # the inference side, in its own process
     # --- README block: inference worker, verbatim ---
     import shardgather as sg
 
-    group = sg.connect_sync_group(trainer_host, port, rank=1, world_size=2)
+    trainers, workers, i = 2, 1, 0  # this worker is the i-th; the trainer's ranks come first
+    group = sg.connect_sync_group(trainer_host, port, rank=trainers + i, world_size=trainers + workers)
     receiver = sg.WeightReceiver(group, target=llm.state_dict())  # written in place
     for step in range(steps):
         receiver.receive()  # the first sync: everything; then only what changed
@@ -60,13 +61,14 @@ import torch.distributed as dist
 
 import shardgather as sg
 
-group = None
-if dist.get_rank() == 0:  # the trainer's rank 0 joins the inference workers' group
-    group = sg.connect_sync_group(trainer_host, port, rank=0, world_size=2)
-sender = sg.WeightSender(model, group, dtype=torch.bfloat16)  # on every trainer rank
+workers = 1  # every trainer rank joins the inference workers' group, in rank order
+group = sg.connect_sync_group(
+    trainer_host, port, rank=dist.get_rank(), world_size=dist.get_world_size() + workers
+)
+sender = sg.WeightSender(model, group, dtype=torch.bfloat16)
 for step in range(steps):
     train_step(model)
-    sender.sync()  # packed buckets the first time, then each rank's changed elements
+    sender.sync()  # every rank's own pieces the first time, then only what changed
 # --- end of the block ---
 
 want = sg.full_state_dict(model, dtype=torch.bfloat16)

@@ -1,36 +1,41 @@
 """Weight sync for RL: the trainer's full weights into inference processes after every
-step, over a process group the two sides share — packed buckets, and then only what
-changed.
+step, over a process group the two sides share — each rank's own pieces, packed buckets,
+and then only what changed.
 
 On the trainer, every rank (FSDP1, FSDP2 or a plain model) holds a
-:class:`WeightSender`; global rank 0 is rank 0 of the *sync group*, whose other ranks
-are the inference workers, each holding a :class:`WeightReceiver`::
+:class:`WeightSender`; the inference workers each hold a :class:`WeightReceiver`. The
+*sync group* (:func:`connect_sync_group`) has the trainer's ranks first and the workers
+after them::
 
-    # trainer, every rank                          # each inference worker i
+    # trainer, every rank r of T                   # each inference worker i of n
     group = sg.connect_sync_group(                 group = sg.connect_sync_group(
-        host, port, rank=0, world_size=1 + n,          host, port, rank=1 + i,
-    ) if dist.get_rank() == 0 else None               world_size=1 + n)
-    sender = sg.WeightSender(model, group,         receiver = sg.WeightReceiver(
-                             dtype=torch.bfloat16)     group, target=engine_weights)
-    for step in ...:                               while True:
-        train_step()                                   receiver.receive()
-        sender.sync()
+        host, port, rank=r, world_size=T + n)          host, port, rank=T + i,
+    sender = sg.WeightSender(model, group,             world_size=T + n)
+                             dtype=torch.bfloat16)  receiver = sg.WeightReceiver(
+    for step in ...:                                   group, target=engine_weights)
+        train_step()                               while True:
+        sender.sync()                                  receiver.receive()
 
-**Full sync** (the first, after any layout change, or ``delta=False``): the gatherer's
-packed buckets (:meth:`shardgather.Gatherer.iter_packed`: each bucket's full tensors back
-to back in one reused buffer, filled by the copy-out op from the gathered rows) are
-broadcast from trainer rank 0, one message per bucket, while the next bucket's gather
-is in flight. The receiver unpacks each into views and copies them into ``target``
-and/or hands ``(name, tensor)`` batches to ``on_weights`` (e.g. vLLM's
-``model.load_weights``).
+**Direct** (the group on every trainer rank, as above): a full sync has every rank cast
+its own pieces into what it keeps as sent and send them from there, point to point,
+straight into each worker's ``target`` — no rank gathers anything, each element crosses
+the wire once, from the rank that holds it, all ranks at once. **Relayed** (only trainer
+rank 0 in the group, ``world_size=1 + n``, ``None`` on the other ranks — for engines
+that can join one trainer process only): the gatherer's packed buckets
+(:meth:`shardgather.Gatherer.iter_packed`: each bucket's full tensors back to back in
+one reused buffer, filled by the copy-out op from the gathered rows) are broadcast from
+rank 0, one message per bucket, while the next bucket's gather is in flight. In both,
+tensors no rank holds alone (buffers, N-D and replicated layouts) go as packed buckets
+from rank 0, and so does everything for a receiver without a ``target``: it unpacks
+each bucket into views and hands ``(name, tensor)`` batches to ``on_weights`` (e.g.
+vLLM's ``model.load_weights``).
 
-**Delta sync**: every trainer rank keeps what it last sent of its own shard (in the
-sent dtype), compares after the step, and encodes the changed elements of its own
-pieces — positions + values, or, where that would be larger, its pieces whole as runs —
-which rank 0 forwards; the receiver, holding the previous version in ``target``, writes
-them in place. Nothing is all-gathered: each element crosses the wire at most once,
-only when it changed. Tensors every rank holds whole (buffers) and shardings a delta
-cannot address (N-D, replicated) go as packed buckets every time.
+**Delta sync**: every trainer rank keeps what it last sent of its own pieces (in the
+sent dtype), compares after the step, and encodes the changed elements — positions +
+values, or, where that would be larger, its pieces whole as runs — sent straight to the
+workers (relayed: forwarded by rank 0); the receiver, holding the previous version in
+``target``, writes them in place. Nothing is all-gathered: each element crosses the
+wire at most once, only when it changed.
 
 Both sides agree on a layout (names, shapes, dtypes) before any data moves: a mismatch
 with the receiver's ``target`` is a clear error on both sides. A receiver whose
@@ -95,10 +100,12 @@ def connect_sync_group(
     *,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
 ) -> Any:
-    """A gloo process group of the trainer's rank 0 (``rank=0``, which hosts the store
-    at ``host:port``) and the inference workers (``1 .. world_size - 1``), independent of
-    either side's default group. Call it on each member; it returns when all joined.
-    (On GPUs, any process group with ``broadcast``/``allreduce`` works, e.g. NCCL.)"""
+    """A gloo process group of the trainer's ranks and the inference workers,
+    independent of either side's default group: trainer rank r joins as ``rank=r``
+    (rank 0 hosts the store at ``host:port``), the workers after them, up to
+    ``world_size - 1`` — or only trainer rank 0 joins (``rank=0``), for a relayed sync.
+    Call it on each member; it returns when all joined. (On GPUs, any process group with
+    ``send``/``recv``/``broadcast``/``allreduce`` works, e.g. NCCL.)"""
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
