@@ -285,30 +285,8 @@ def layout_of(
     hit = _LAYOUTS.get(memo)
     if hit is not None and hit[0] is mesh and hit[1] is world:
         return hit[2]
-    lay = _layout_of(key, shape, mesh, placements, local_shape, row_numel)
     if len(_LAYOUTS) > 4096:
         _LAYOUTS.clear()
-    _LAYOUTS[memo] = (mesh, world, lay)
-    return lay
-
-
-def _layout_of(
-    key: str,
-    shape: tuple[int, ...],
-    mesh: object,
-    placements: Sequence[object],
-    local_shape: tuple[int, ...],
-    row_numel: int | None = None,
-) -> Layout:
-    """The layout of a DTensor of global ``shape`` on ``mesh`` with ``placements`` whose
-    local tensor here has ``local_shape``, contiguous at the start of its row (padded to
-    ``row_numel`` elements on every rank; None: the largest local tensor).
-
-    Raises:
-        UnsupportedModelError: a placement that is neither Shard, _StridedShard nor
-            Replicate (Partial: a pending reduction is not a value), or local tensors
-            that do not tile the full tensor exactly once.
-    """
     _, _, replicate = _placement_types()
     placements = tuple(placements)
     for p in placements:
@@ -323,7 +301,9 @@ def _layout_of(
     sharded = [d for d, p in enumerate(placements) if is_sharding(p)]
     numel = math.prod(shape)
     if not sharded:
-        return Layout(None, (dist.get_rank(),), 0, numel, (Block(0, 0, numel),), True)
+        lay = Layout(None, (dist.get_rank(),), 0, numel, (Block(0, 0, numel),), True)
+        _LAYOUTS[memo] = (mesh, world, lay)
+        return lay
     members = replica(grid, coord, sharded)
     group: object
     if len(sharded) == 1:
@@ -345,7 +325,9 @@ def _layout_of(
             f"{placements} on a mesh of shape {tuple(grid.shape)} give {shapes[me]}: "
             "shardgather cannot tell which elements it holds."
         )
-    return Layout(group, ranks, me, p, blocks, classic)
+    lay = Layout(group, ranks, me, p, blocks, classic)
+    _LAYOUTS[memo] = (mesh, world, lay)
+    return lay
 
 
 def _rows_start_at_row(blocks: list[Block], p: int) -> bool:
