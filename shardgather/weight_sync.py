@@ -368,6 +368,8 @@ class WeightSender:
         delta = self.delta and not full and not changed_layout and self._delta is not None
         before = self.wire.sent if self.wire else 0
         verdict = (0, 0, 0)
+        if changed_layout:  # receivers forget every rank's pieces with a new layout
+            self._rows = None
         if self.wire is not None:
             layout = json.dumps(doc).encode() if changed_layout else b""
             trainers = call.world if self._direct else 1
