@@ -40,6 +40,7 @@ import json
 import os
 import pickle
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -65,6 +66,7 @@ STATS = {
 }
 
 _PREFIX = "shardgather/"
+_SEP = "\x1f"  # between a round's name and its ``same`` value in the store
 
 
 def _arrival_default() -> datetime.timedelta:
@@ -238,10 +240,13 @@ class Call:
     # ----------------------------------------------------------------- the latch
 
     def __enter__(self) -> Call:
-        # Where this rank is, for a peer that waits for it in vain (see _missing_ranks).
+        # Where this rank is, for a peer that waits for it in vain (see _missing_ranks),
+        # and the facts about this rank a peer may need before any round (see facts).
         if self.distributed:
+            keys = [_where_key(self.rank), _fact_key("host", self.rank)]
+            values = [f"{self.id}:{self.what}", host_id()]
             with contextlib.suppress(Exception):
-                self.store.set(_where_key(self.rank), f"{self.id}:{self.what}")
+                _multi_set(self.store, keys, values)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
@@ -344,6 +349,56 @@ class Call:
         if records or missing:
             raise agreed_error(self.what, records, missing or []) from self.failure
 
+    # ----------------------------------------------------------------- facts
+
+    def post_fact(self, name: str, value: str) -> None:
+        """Publish a fact about this rank (its host, what it can open) for the peers that
+        need it before a round can tell them. A fact is no agreement and no history:
+        posting it again posts the same value, and it outlives the call (one key per
+        rank and name), so a rank that reads it never depends on which earlier calls of
+        this process completed — the hazard of a per-process cache of a round's result,
+        which ranks leaving a failed call at different points fill differently."""
+        if self.distributed:
+            self.store.set(_fact_key(name, self.rank), value)
+
+    def facts(self, name: str, ranks: list[int]) -> list[str | None]:
+        """The facts ``name`` of ``ranks`` (in that order), waiting for those not yet
+        posted: released at once by any rank's failure (raises the agreed error), up to
+        the arrival bound for ranks in no call or another one (raises, naming them),
+        and up to the call's timeout for ranks in this call. A rank that went on to
+        this call's next round without posting will not post it (its plan differs, and
+        that round says so): its fact is ``None``."""
+        if not self.distributed or not ranks:
+            return [None] * len(ranks)
+        keys = [_fact_key(name, r) for r in ranks]
+        start = time.monotonic()
+        arrival = min(self.timeout, _ARRIVAL["timeout"]).total_seconds()
+        skipped: set[int] = set()
+        while True:
+            waiting = [k for r, k in zip(ranks, keys) if r not in skipped]
+            try:
+                if waiting:
+                    self.store.wait(waiting, _FACT_POLL)
+                break
+            except Exception:
+                pass
+            if self.any_failed():
+                self.raise_failures()
+            missing = [
+                r for r, k in zip(ranks, keys) if r not in skipped and not self.store.check([k])
+            ]
+            nxt = f"{self.rounds + 1}/at/"
+            skipped.update(r for r in missing if self.store.check([self._key(nxt + str(r))]))
+            missing = [r for r in missing if r not in skipped]
+            spent = time.monotonic() - start
+            late = spent > arrival and not all(self._in_this_call(r) for r in missing)
+            if missing and (late or spent > self.timeout.total_seconds()):
+                self.fail(CollectiveError(self._missing_message(f"{name} facts", missing)))
+                self.raise_failures(missing)
+        present = [k for r, k in zip(ranks, keys) if r not in skipped]
+        got = dict(zip(present, self.store.multi_get(present))) if present else {}
+        return [got[k].decode() if k in got else None for k in keys]
+
     # ----------------------------------------------------------------- rounds
 
     def round(
@@ -383,19 +438,14 @@ class Call:
         try:
             if count is not None:
                 self.store.add(self._key(k + "count"), int(count))
-            if same is not None and self.failure is None:
-                mine = same.encode()
+            if self.failure is None:
+                # Every round carries its name: ranks whose calls took different
+                # sequences of rounds get one error naming both, never a payload of one
+                # round read as another's.
+                mine = f"{name}{_SEP}{same or ''}".encode()
                 first = self.store.compare_set(self._key(k + "same"), "", mine)
                 if first != mine:
-                    self.fail(
-                        CollectiveError(
-                            f"ranks hold different {name} ({first.decode()} on another rank, "
-                            f"{same} here): the model is not the same on every rank (different "
-                            "wrapping, shapes, process groups, or an optimizer's param "
-                            "groups). Every rank must call shardgather with the same "
-                            "sharded model (and optimizer)."
-                        )
-                    )
+                    self.fail(self._disagreement(name, same, first.decode()))
             if self.rounds == 1 and self.failure is None:
                 self._same_verb()
             self._set(k + f"at/{self.rank}", pickle.dumps(payload))
@@ -437,6 +487,23 @@ class Call:
             keys = [self._key(k + f"at/{r}") for r in range(self.world)]
             return [pickle.loads(v) for v in self.store.multi_get(keys)]
         return None
+
+    def _disagreement(self, name: str, same: str | None, theirs: str) -> CollectiveError:
+        their_name, _, their_same = theirs.partition(_SEP)
+        if their_name != name:
+            return CollectiveError(
+                f"ranks took different steps in {self.what}: its round {self.rounds} is "
+                f"{their_name!r} on another rank and {name!r} on rank {self.rank}. This is a "
+                "bug of shardgather's (every rank must decide its rounds alike): please "
+                "report it; the next call starts afresh."
+            )
+        return CollectiveError(
+            f"ranks hold different {name} ({their_same} on another rank, "
+            f"{same} here): the model is not the same on every rank (different "
+            "wrapping, shapes, process groups, or an optimizer's param "
+            "groups). Every rank must call shardgather with the same "
+            "sharded model (and optimizer)."
+        )
 
     def _wait_all(self, k: str) -> list[int]:
         """Wait until every rank arrived at round ``k`` or any rank failed (returns [];
@@ -554,6 +621,23 @@ def _where_key(r: int) -> str:
     return f"{_PREFIX}where/{r}"
 
 
+def _fact_key(name: str, r: int) -> str:
+    return f"{_PREFIX}fact/{name}/{r}"
+
+
+# How often a wait for facts looks at the latch (the wait itself ends when they appear).
+_FACT_POLL = datetime.timedelta(milliseconds=50)
+
+
+def _multi_set(store: Any, keys: list[str], values: list[str]) -> None:
+    """One store operation where the store has it (torch >= 2.3), else one per key."""
+    if hasattr(store, "multi_set"):
+        store.multi_set(keys, values)
+    else:  # pragma: no cover - older torch
+        for k, v in zip(keys, values):
+            store.set(k, v)
+
+
 def _forget_earlier_calls(call: Call) -> None:
     """Delete the store keys of this process's earlier calls: every rank has arrived at
     this call's first round, so none will read them again (the store would otherwise
@@ -594,17 +678,20 @@ def data_group(call: Call) -> Any:
     call.uses_data_group = True
     owner = (id(dist.group.WORLD), call.world)
     generation = int(call.store.add(f"{_PREFIX}data-generation", 0))
-    if _DATA["owner"] == owner and _DATA["generation"] == generation:
+    if _DATA["owner"] == owner and _DATA["generation"] == generation and _DATA["group"]:
         return _DATA["group"]
-    _DATA.update(group=None, generation=generation, owner=owner)  # the old one is dropped
+    # The old one is dropped; the generation is recorded only with a group made, so a
+    # rank that failed in between builds anew with the others next time.
+    _DATA.update(group=None, generation=-1, owner=owner)
     call.round("data group")
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = call.timeout
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
     store = dist.PrefixStore(f"{_PREFIX}data/{generation}/", call.store)
-    _DATA["group"] = dist.ProcessGroupGloo(store, call.rank, call.world, opts)
+    group = dist.ProcessGroupGloo(store, call.rank, call.world, opts)
+    _DATA.update(group=group, generation=generation)
     STATS["data_groups"] += 1
-    return _DATA["group"]
+    return group
 
 
 @atexit.register

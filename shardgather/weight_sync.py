@@ -331,8 +331,11 @@ class WeightSender:
                     self._direct = self._learn_mode(call)
                 return self._sync(call, full)
             except BaseException:
-                # The receivers' state is unknown: the next sync starts over.
+                # The receivers' state is unknown: the next sync starts over — the mode
+                # too (a rank that learnt it before the failure must not skip the round
+                # the others run again).
                 self._delta, self._fingerprint, self._metas, self._rows = None, "", {}, None
+                self._direct = None
                 raise
 
     def _learn_mode(self, call: Call) -> bool:

@@ -163,11 +163,8 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
             out[f"phases_{phased}"] = len(plan.phases or ())
     # Ranks on two hosts (pretended): rank 1 sends its merged pieces to rank 0 phase by
     # phase, between the phases' factor gathers on the same group.
-    from shardgather._engine import node_local
 
     os.environ["SHARDGATHER_HOST_ID"] = "host-" + "ab"[rank]
-    node_local._HOSTS.clear()  # host ids are agreed once per process group
-    node_local._MEMFD.clear()
     try:
         with _merge_in_phases(True):
             before = _dist.STATS["bytes_received"]
@@ -177,8 +174,6 @@ def adapter_worker(rank: int, world: int, kind: str, tmp: str) -> dict:  # type:
             sg.save_full_state_dict(model, one_file, merge_adapter="default")
     finally:
         del os.environ["SHARDGATHER_HOST_ID"]
-        node_local._HOSTS.clear()
-        node_local._MEMFD.clear()
     if rank == 0:
         bad += ["two hosts: " + p for p in diff_state_dicts(two_hosts, merged_want)]
         bad += [

@@ -334,7 +334,7 @@ def shm_too_small(rank: int, world: int, memfd: bool) -> dict:  # type: ignore[t
     model, plain = build("fsdp2", world, seed=0)
     node_local.shm_free_bytes = lambda: 0
     if not memfd:
-        node_local.memfd_shareable = lambda call: False  # e.g. ranks in other pid namespaces
+        node_local.memfd_shareable = lambda call, hosts: False  # e.g. ranks in other pid namespaces
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -366,11 +366,10 @@ def mixed_hosts(rank: int, world: int, path: str, case: str) -> dict:  # type: i
     optimizer state; and moves only the remote ranks' pieces."""
     import os
 
-    from shardgather._engine import node_local, remote
+    from shardgather._engine import remote
 
     kind, hosts = MIXED_HOST_CASES[case]
     os.environ["SHARDGATHER_HOST_ID"] = "host-" + hosts[rank]
-    node_local._HOSTS.clear()
     model, plain = build(kind, world, seed=0)
     opt = make_optimizer(model, "adamw")
     problems = check(rank, sg.full_state_dict(model), plain.state_dict(), True)
@@ -407,10 +406,9 @@ def mixed_hosts_sender_fails(rank: int, world: int, path: str, op: str) -> dict:
     import datetime
     import os
 
-    from shardgather._engine import node_local, remote
+    from shardgather._engine import remote
 
     os.environ["SHARDGATHER_HOST_ID"] = "host-" + "ab"[rank]
-    node_local._HOSTS.clear()
     model, _ = build("fsdp2", world, seed=0)
     before = set(os.listdir("/dev/shm"))
     if rank == 1:

@@ -6,8 +6,8 @@ buffer when casting). Writes go to the shared page cache, so no rank's RSS grows
 more than that buffer. Ranks on other hosts send their pieces to rank 0 (remote.py).
 
 What the choice needs — which ranks share rank 0's host, whether they can open a
-memfd of rank 0 — is found by one round on the first call of a process group and
-kept.
+memfd of rank 0 — rank 0 reads from facts the ranks post (their host ids when they
+enter a call, a probe's answer): no round, and nothing remembered between calls.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import _dist
 from .._dist import Call
@@ -27,62 +26,63 @@ from .._plan import Entry, GatherPlan
 from .pieces import pieces_of
 
 SHM_DIR = "/dev/shm"
-# Per default process group (its identity and size): found once each.
-_HOSTS: dict[tuple[int, int], list[str]] = {}
-_MEMFD: dict[tuple[int, int], bool] = {}
 
 
-def _owner() -> tuple[int, int]:
-    return (id(dist.group.WORLD), _dist.world_size())
-
-
-def host_ids(call: Call, *, probe_memfd: bool = False) -> list[str]:
-    """Every global rank's host id. The first call of a process group agrees on them
-    (one round, which also carries rank 0's memfd probe when ``probe_memfd``)."""
+def host_ids(call: Call) -> list[str]:
+    """Every global rank's host id (rank 0 reads them: it alone chooses the transport).
+    Each rank posts its own as a fact when it enters a call; nothing is remembered
+    between calls, so a failed call cannot leave the ranks deciding differently."""
     if not call.distributed:
         return [_dist.host_id()]
-    owner = _owner()
-    if owner not in _HOSTS or (probe_memfd and owner not in _MEMFD):
-        probe_fd, probe = -1, None
-        if probe_memfd and call.rank == 0 and hasattr(os, "memfd_create"):
-            with contextlib.suppress(OSError):
-                probe_fd = os.memfd_create("shardgather-probe", os.MFD_CLOEXEC)
-                probe = f"/proc/{os.getpid()}/fd/{probe_fd}"
-        try:
-            got = call.round("host ids", payload=(_dist.host_id(), probe), gather="all")
-            _HOSTS[owner] = [h for h, _ in got]
-            if probe_memfd:
-                path = got[0][1]
-                ok = path is not None
-                hosts = _HOSTS[owner]
-                if ok and call.rank != 0 and hosts[call.rank] == hosts[0]:
-                    try:
-                        os.close(os.open(path, os.O_WRONLY))
-                    except OSError:
-                        ok = False
-                call.round("memfd probe", count=0 if ok else 1)
-                _MEMFD[owner] = call.count == 0
-        finally:
-            if probe_fd >= 0:
-                os.close(probe_fd)
-    return _HOSTS[owner]
+    got = call.facts("host", list(range(call.world)))
+    return [h if h is not None else "" for h in got]
 
 
-def memfd_shareable(call: Call) -> bool:
+# Rank 0's probe: one empty memfd for the life of the process, which the ranks on its
+# host try to open through /proc (a fact each posts).
+_PROBE: dict[str, Any] = {"fd": -1, "path": ""}
+
+
+def _probe_path() -> str:
+    if _PROBE["fd"] < 0 and hasattr(os, "memfd_create"):
+        with contextlib.suppress(OSError):
+            _PROBE["fd"] = os.memfd_create("shardgather-probe", os.MFD_CLOEXEC)
+            _PROBE["path"] = f"/proc/{os.getpid()}/fd/{_PROBE['fd']}"
+    return _PROBE["path"]
+
+
+def memfd_shareable(call: Call, hosts: list[str]) -> bool:
     """Whether the ranks on rank 0's host can open a memfd of rank 0 through
-    /proc/<pid>/fd (same pid namespace and user); known after :func:`host_ids` with
-    ``probe_memfd``."""
+    /proc/<pid>/fd (same pid namespace and user). Every rank calls it at the same point:
+    rank 0 posts its probe's path, the others try it and post the answer (tagged with
+    the path, so an answer to another process's probe never counts); rank 0's result is
+    the one that matters (it creates the regions and hands their names out)."""
     if not hasattr(os, "memfd_create"):
         return False
     if not call.distributed:
         return True
-    return _MEMFD.get(_owner(), False)
+    if call.rank == 0:
+        path = _probe_path()
+        call.post_fact("memfd-probe", path)
+        if not path:
+            return False
+        peers = [r for r in range(1, call.world) if hosts[r] == hosts[0]]
+        return all(a == f"{path} ok" for a in call.facts("memfd", peers))
+    (path,) = call.facts("memfd-probe", [0])
+    ok = bool(path)
+    if ok:
+        try:
+            os.close(os.open(path, os.O_WRONLY))  # type: ignore[arg-type]
+        except OSError:
+            ok = False
+    call.post_fact("memfd", f"{path} {'ok' if ok else 'refused'}")
+    return ok
 
 
-def remote_ranks(call: Call, plan: GatherPlan, participating: Any) -> list[int]:
+def remote_ranks(plan: GatherPlan, hosts: list[str], participating: Any) -> list[int]:
     """Ranks holding pieces of participating sources on another host than rank 0's:
-    they send their pieces to rank 0 instead of writing them (same list everywhere)."""
-    hosts = host_ids(call)
+    they send their pieces to rank 0 instead of writing them (rank 0 decides; the plan
+    round hands the list to everyone)."""
     if len(set(hosts)) == 1:
         return []
     ranks: set[int] = set()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import _dist
 from .._dist import Call, data_group
 from .._options import Options, Transport
 from .._plan import GatherPlan
@@ -110,9 +111,10 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
             why = "pin_memory=True"
     hosts: list[str] = []
     memfd = False
-    if why is None:  # the same answer on every rank: same plan, same options, same caches
-        hosts = node_local.host_ids(call, probe_memfd=is_dict)
-        memfd = is_dict and node_local.memfd_shareable(call)
+    if why is None and call.rank == 0:
+        hosts = node_local.host_ids(call)
+    if why is None and is_dict:  # every rank alike (same plan, same options)
+        memfd = node_local.memfd_shareable(call, hosts)
     payload = None
     if call.rank == 0:
         if why is None and is_dict and not memfd:
@@ -122,10 +124,10 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
         senders = []
         if why is None and not opts.shared_filesystem:
             senders = node_local.remote_ranks(
-                call, plan, lambda i: 0 in plan.sources[i].group_ranks
+                plan, hosts, lambda i: 0 in plan.sources[i].group_ranks
             )
-        payload = (why, sink.prepare(call, why is None, memfd), senders)
-    why, handoff, remote = call.round(
+        payload = (why, sink.prepare(call, why is None, memfd), senders, hosts[:1])
+    why, handoff, remote, host0 = call.round(
         "plan", same=plan.fingerprint, payload=payload, gather="rank0"
     )
     local = why is None
@@ -143,7 +145,7 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
     group = None
     if (local and remote) or (not local and host_buckets(plan)):
         group = data_group(call)
-    same_host = opts.shared_filesystem or not hosts or hosts[call.rank] == hosts[0]
+    same_host = opts.shared_filesystem or not host0 or _dist.host_id() == host0[0]
     writes_pieces = local and call.rank not in remote and same_host
     sink.open(call, local, handoff, writes_pieces)
     receives = call.rank == 0 if local else (not opts.rank0_only or call.rank == 0)
