@@ -276,8 +276,9 @@ def test_repeated_calls_on_one_host_take_at_most_three_rounds_and_no_collective(
             for c in repeated:
                 # Plan agreement (+ hand-off), completion, and for a file its publication.
                 assert c["rounds"] <= 3 and c["torch"] == 0, (verb, calls)
-            # The first call of the job also agrees on hosts and probes the memfd.
-            assert first["rounds"] <= 5 and first["torch"] == 0, (verb, calls)
+            # The first call of the job too: hosts and the memfd probe are facts each
+            # rank posts, not rounds.
+            assert first["rounds"] <= 3 and first["torch"] == 0, (verb, calls)
         assert r["full_state_dict"][1]["rounds"] == 2, r
         assert r["Gatherer.full_state_dict"][1]["rounds"] == 2, r
         assert r["save_full_state_dict"][1]["rounds"] == 3, r
