@@ -157,7 +157,7 @@ _KEYS: list[str] = []
 def _failure_record(exc: BaseException, where: int) -> dict[str, Any]:
     """What other ranks learn of a failure: its class (kept when it is one of ours)
     and message, and a mismatch's key lists."""
-    cls = type(exc).__name__ if isinstance(exc, ShardGatherError) else None
+    cls = errors.qualified(type(exc)) if isinstance(exc, ShardGatherError) else None
     rec: dict[str, Any] = {"rank": where, "type": cls, "message": _describe(exc)}
     if isinstance(exc, errors.StateDictMismatchError):
         rec["fields"] = [exc.missing_keys, exc.unexpected_keys, exc.mismatched]
@@ -183,11 +183,7 @@ def agreed_error(what: str, records: list[dict[str, Any]], missing: list[int]) -
         )
     types = {r["type"] for r in records}
     name = types.pop() if len(types) == 1 and not missing else None
-    cls: type[ShardGatherError] = (
-        getattr(errors, name, CollectiveError) if name else CollectiveError
-    )
-    if not (isinstance(cls, type) and issubclass(cls, ShardGatherError)):
-        cls = CollectiveError
+    cls = errors.by_name(name) or CollectiveError
     message = f"{what} failed on every rank: " + "; ".join(parts)
     if issubclass(cls, errors.StateDictMismatchError):
         fields = next((r["fields"] for r in records if "fields" in r), [[], [], {}])

@@ -19,6 +19,10 @@ class CollectiveError(ShardGatherError):
     """A collective failed or timed out, or the ranks disagreed about the plan."""
 
 
+class ConsumerError(CollectiveError):
+    """An inference-side receiver refused the layout or failed while applying weights."""
+
+
 class CheckpointError(ShardGatherError):
     """A checkpoint file is missing, truncated, corrupt or not of a supported format."""
 
@@ -43,3 +47,22 @@ class StateDictMismatchError(ShardGatherError):
         self.missing_keys = list(missing_keys or [])
         self.unexpected_keys = list(unexpected_keys or [])
         self.mismatched = dict(mismatched or {})
+
+
+def by_name(name: str | None) -> type[ShardGatherError] | None:
+    """The ShardGatherError subclass called ``name`` (as :func:`qualified` writes it),
+    wherever it is defined; None when there is none. Only ShardGatherError's own
+    subclasses are looked at: a name from another rank cannot reach anything else."""
+    if not name:
+        return None
+    todo: list[type[ShardGatherError]] = [ShardGatherError]
+    while todo:
+        cls = todo.pop()
+        if qualified(cls) == name or cls.__name__ == name:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return None
+
+
+def qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -65,7 +65,7 @@ from ._dist import Call
 from ._options import DEFAULT_TIMEOUT, check_model
 from ._plan import GatherPlan, build_plan, own_blocks
 from ._plan.subset import KeySelection
-from .errors import CollectiveError, ShardGatherError, StateDictMismatchError
+from .errors import ConsumerError, ShardGatherError, StateDictMismatchError
 from .stream import Gatherer, PackedBucket
 
 MAGIC, VERSION = 0x53475359, 1  # "SGSY"
@@ -86,10 +86,6 @@ _DTYPES = [
 ]
 _DELTA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # diff_update's
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-class ConsumerError(CollectiveError):
-    """An inference-side receiver refused the layout or failed while applying weights."""
 
 
 def connect_sync_group(

@@ -394,6 +394,28 @@ def test_the_agreed_error_keeps_a_common_class_and_names_every_rank() -> None:
     assert isinstance(mism, sg.StateDictMismatchError) and mism.missing_keys == ["a"]
 
 
+def _subclasses(cls: type) -> list[type]:
+    return [cls] + [s for c in cls.__subclasses__() for s in _subclasses(c)]
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [c for c in _subclasses(sg.ShardGatherError) if c.__module__.startswith("shardgather")],
+    ids=lambda c: c.__name__,
+)
+def test_the_agreed_error_keeps_every_shardgather_class_wherever_it_is_defined(cls: type) -> None:
+    """Regression: ConsumerError (defined beside the weight sync, not in errors.py) came
+    back as CollectiveError on every rank that learnt of it from a peer."""
+    record = _dist._failure_record(cls("a receiver refused"), 1)
+    err = _dist.agreed_error("WeightSender.sync", [record], [])
+    assert type(err) is cls, (type(err), record)
+    # A name no class of ours has (another version's): CollectiveError, never a lookup
+    # outside shardgather's errors.
+    for name in ("os.system", "NoSuchError", "builtins.RuntimeError"):
+        strange = _dist.agreed_error("x", [{"rank": 0, "type": name, "message": "m"}], [])
+        assert type(strange) is sg.CollectiveError
+
+
 def test_bad_timeouts_are_refused() -> None:
     with pytest.raises(sg.ShardGatherError, match="timeout"):
         sg.full_state_dict(torch.nn.Linear(2, 2), timeout=5)  # type: ignore[arg-type]
