@@ -65,7 +65,7 @@ from ._dist import Call
 from ._options import DEFAULT_TIMEOUT, check_model
 from ._plan import GatherPlan, build_plan, own_blocks
 from ._plan.subset import KeySelection
-from .errors import ConsumerError, ShardGatherError, StateDictMismatchError
+from .errors import CollectiveError, ConsumerError, ShardGatherError, StateDictMismatchError
 from .stream import Gatherer, PackedBucket
 
 MAGIC, VERSION = 0x53475359, 1  # "SGSY"
@@ -101,8 +101,49 @@ def connect_sync_group(
     (rank 0 hosts the store at ``host:port``), the workers after them, up to
     ``world_size - 1`` — or only trainer rank 0 joins (``rank=0``), for a relayed sync.
     Call it on each member; it returns when all joined. (On GPUs, any process group with
-    ``send``/``recv``/``broadcast``/``allreduce`` works, e.g. NCCL.)"""
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    ``send``/``recv``/``broadcast``/``allreduce`` works, e.g. NCCL.)
+
+    Args:
+        host: an address of trainer rank 0's machine that every member can reach (e.g.
+            its hostname or IP; ``"127.0.0.1"`` when all run on one machine).
+        port: a free TCP port there, the same on every member: rank 0 listens on it.
+        rank, world_size: this member's rank in the sync group, and its size.
+        timeout: the bound of every later wait of the group's messages.
+
+    Raises:
+        CollectiveError: a member did not join within the arrival bound
+            (:func:`shardgather.set_arrival_timeout`, default 60 s), naming the missing
+            ranks and the address they were awaited at; or this member could not reach
+            rank 0's store there.
+    """
+    where = f"{host}:{port}"
+    arrival = min(timeout, _dist._ARRIVAL["timeout"])
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=arrival, wait_for_workers=False
+        )
+    except Exception as exc:
+        raise CollectiveError(
+            f"connect_sync_group: rank {rank} could not reach the sync group's store at "
+            f"{where} within {arrival} ({_dist._describe(exc)}): trainer rank 0 listens "
+            "there — is it running, and is that the address of its machine (reachable "
+            "from here) and a port that is free there?"
+        ) from exc
+    joined = [f"shardgather-sync-joined/{r}" for r in range(world_size)]
+    store.set(joined[rank], "1")
+    try:
+        store.wait(joined, arrival)
+    except Exception:
+        missing = [r for r in range(world_size) if not store.check([joined[r]])]
+        if missing:
+            raise CollectiveError(
+                f"connect_sync_group: rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} of the sync group (size {world_size}) did "
+                f"not join at {where} within {arrival}: start every member with the same "
+                "address, world size and its own rank (trainer rank r as rank r, the "
+                "workers after them), or raise the bound with sg.set_arrival_timeout"
+            ) from None
+    store.set_timeout(timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]

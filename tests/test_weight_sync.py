@@ -222,8 +222,8 @@ def test_a_layout_mismatch_fails_both_sides(direct) -> None:  # type: ignore[no-
         fsdp="fsdp2", steps=1, dtype=torch.bfloat16, delta=True, fail="missing", direct=direct
     )
     assert consumer is not None and "blocks.0.fc1.weight" in consumer["raised"], consumer
-    for t in trainers:
-        assert "refused the layout" in t["raised"], t
+    for t in trainers:  # the class too, on the ranks that learnt it from a peer
+        assert t["raised"].startswith("ConsumerError: ") and "refused the layout" in t["raised"], t
 
 
 @MODES
@@ -233,6 +233,7 @@ def test_a_receiver_that_raises_fails_every_trainer_rank(direct) -> None:  # typ
     )
     assert consumer is not None and "the engine refused a weight" in consumer["raised"], consumer
     for t in trainers:
+        assert t["raised"].startswith("ConsumerError: "), t
         assert "failed while applying" in t["raised"], t
 
 
@@ -291,3 +292,26 @@ def test_memory_per_trainer_rank_is_two_buckets_and_the_reference(direct) -> Non
         assert full <= t["reference"] + 2 * 16 * mib + 64 * mib, (rank, full / mib)
         for rise in deltas:
             assert rise <= 2 * 16 * mib + 64 * mib, (rank, [r / mib for r in t["rises"]])
+
+
+def test_a_member_that_never_joins_is_named_within_the_arrival_bound() -> None:
+    """Trainer rank 0 waits for two workers that never start: it raises within the
+    arrival bound (not the 10-minute timeout, not torch's "2/3 clients joined"), naming
+    the missing ranks and the address; a worker with no trainer there says so too."""
+    port = _free_port()
+    previous = sg.set_arrival_timeout(2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(sg.CollectiveError) as info:
+            sg.connect_sync_group("127.0.0.1", port, rank=0, world_size=3)
+        assert time.monotonic() - t0 < 30
+        msg = str(info.value)
+        assert "ranks 1, 2 of the sync group" in msg and f"127.0.0.1:{port}" in msg, msg
+        t0 = time.monotonic()
+        nobody = _free_port()
+        with pytest.raises(sg.CollectiveError, match=f"127.0.0.1:{nobody}") as info:
+            sg.connect_sync_group("127.0.0.1", nobody, rank=1, world_size=2)
+        assert time.monotonic() - t0 < 30
+        assert "trainer rank 0 listens there" in str(info.value), info.value
+    finally:
+        sg.set_arrival_timeout(previous)
