@@ -751,16 +751,27 @@ def _chunk_delta(
     cap = min(cap, scratch[0].numel())  # past the scratch's room, dense is at most 2x larger
     positions, values = scratch[0][:cap], scratch[1][:cap]  # reused chunk to chunk
     k = 0
-    for position, src, at in segs:
+    hit = []  # the segments where anything changed
+    for seg in segs:
+        position, src, at = seg
         room = max(0, cap - k)
-        k += _ops.diff_update(
+        got = _ops.diff_update(
             src, ref[at : at + src.numel()], positions[k : k + room], values[k : k + room], position
         )
+        k += got
+        if got:
+            hit.append(seg)
     code = _DTYPES.index(dt)
     if k > cap:
-        runs = torch.tensor([[pos, src.numel()] for pos, src, _ in segs], dtype=torch.int64)
-        first = segs[0][2]
-        return code, 1, 0, runs.reshape(-1), k, ref[first : first + n]
+        # Dense: only the segments that changed (a frozen layer beside a trained one
+        # sends nothing, and the receiver reloads nothing of it).
+        runs = torch.tensor([[pos, src.numel()] for pos, src, _ in hit], dtype=torch.int64)
+        if len(hit) == len(segs):
+            first = segs[0][2]
+            dense = ref[first : first + n]
+        else:
+            dense = torch.cat([ref[at : at + src.numel()] for _, src, at in hit])
+        return code, 1, 0, runs.reshape(-1), k, dense
     return code, 0, 0, positions[:k], k, values[:k]
 
 
@@ -775,9 +786,16 @@ class WeightReceiver:
         target: name -> tensor the weights are written into (e.g.
             ``dict(model.named_parameters())``); it must hold every name sent, in the
             sent shape and dtype, contiguous. Delta syncs need it (they write in place).
+            Or a function of the layout (``[(name, shape, dtype), ...]``, as sent) that
+            returns one: called when a layout first arrives, before any data moves; it
+            may raise :class:`StateDictMismatchError` to refuse the layout (both sides
+            then fail and nothing is written).
         on_weights: called with ``[(name, tensor), ...]`` per bucket of a full sync (views
             into a reused buffer, valid during the call), e.g. vLLM's
             ``model.load_weights``; after ``target`` is written, if both are given.
+        on_synced: called with the names written, once a sync's data is all in
+            ``target`` (full or delta) and before the trainers are told it was applied:
+            an engine's reload from ``target`` (what it raises, the trainers raise too).
         timeout: the longest any wait may last.
     """
 
@@ -785,13 +803,19 @@ class WeightReceiver:
         self,
         group: Any,
         *,
-        target: Mapping[str, torch.Tensor] | None = None,
+        target: Mapping[str, torch.Tensor]
+        | Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], Mapping[str, torch.Tensor]]
+        | None = None,
         on_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+        on_synced: Callable[[list[str]], Any] | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.wire = _Wire(group, timeout, receiver=True)
-        self.target = dict(target) if target is not None else None
+        self._make_target = target if callable(target) else None
+        self.target = dict(target) if target is not None and not callable(target) else None
         self.on_weights = on_weights
+        self.on_synced = on_synced
+        self._written: set[int] = set()  # layout positions written by this sync
         self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._starts = torch.zeros(0, dtype=torch.int64)
         self._buffers = [torch.empty(0, dtype=torch.uint8)] * 2
@@ -817,7 +841,7 @@ class WeightReceiver:
                 self._take_layout(doc)
             except StateDictMismatchError as exc:
                 problem = exc
-        no_delta = 1 if self.target is None else 0
+        no_delta = 1 if self.target is None and self._make_target is None else 0
         code, _, _ = self.wire.verdict(1 if problem else 0, no_delta)
         if problem is not None:
             raise problem
@@ -873,15 +897,28 @@ class WeightReceiver:
             at = (at + 1) % len(streams)
         self.wire.settle(landing)
         settle()
+        if landing:
+            self._written.update(self._landed())
+        names = [self.layout[i][0] for i in sorted(self._written)]
+        self._written = set()
         if landing and failure is None and self.on_weights is not None:
             try:
-                self.on_weights([(n, self.target[n]) for n in self._landed()])  # type: ignore[index]
+                self.on_weights([(n, self.target[n]) for n in names])  # type: ignore[index]
+            except Exception as exc:
+                failure = exc
+        if failure is None and self.on_synced is not None:
+            try:
+                self.on_synced(names)
             except Exception as exc:
                 failure = exc
         self.wire.verdict(2 if failure else 0, 0)
         if failure is not None:
             raise failure
-        return {"mode": "delta" if mode == DELTA_MODE else "full", "bytes": self.wire.sent - before}
+        return {
+            "mode": "delta" if mode == DELTA_MODE else "full",
+            "bytes": self.wire.sent - before,
+            "names": names,
+        }
 
     def _receive_pieces(self, src: int, n_rows: int) -> list[tuple[Any, str]]:
         """Direct: trainer rank ``src``'s own pieces, each received straight into its
@@ -903,17 +940,20 @@ class WeightReceiver:
             works.append((self.wire.take(view, src), "a piece"))
         return works
 
-    def _landed(self) -> list[str]:
-        """The names direct pieces were written to, in layout order."""
+    def _landed(self) -> set[int]:
+        """The layout positions direct pieces were written to."""
         starts = self._starts.tolist()
         hit = set()
         for rows in self._pieces.values():
             for position, _ in rows.tolist():
                 hit.add(bisect.bisect_right(starts, position) - 1)
-        return [self.layout[i][0] for i in sorted(hit)]
+        return hit
 
     def _take_layout(self, doc: dict[str, Any]) -> None:
         layout = [(n, tuple(s), getattr(torch, d)) for n, s, d in doc["tensors"]]
+        if self._make_target is not None:  # may refuse it (StateDictMismatchError)
+            self.target = None
+            self.target = dict(self._make_target(layout))
         if self.target is not None:
             missing = [n for n, _, _ in layout if n not in self.target]
             wrong = {
@@ -956,6 +996,7 @@ class WeightReceiver:
     def _apply_bucket(self, meta: Any, buf: torch.Tensor) -> None:
         batch = []
         for name, offset, size in meta:
+            self._written.add(self._index[name])
             _, shape, dtype = self.layout[self._index[name]]
             t = buf[offset : offset + size].view(dtype).view(shape)
             if self.target is not None:
@@ -996,6 +1037,7 @@ class WeightReceiver:
             for start, count in index.view(-1, 2).tolist():
                 i = int(torch.searchsorted(self._starts, torch.tensor(start), right=True)) - 1
                 name = self.layout[i][0]
+                self._written.add(i)
                 off = start - int(self._starts[i])
                 self.target[name].view(-1)[off : off + count].copy_(values[at : at + count])
                 at += count
@@ -1007,6 +1049,7 @@ class WeightReceiver:
         bounds = torch.searchsorted(index, self._starts.to(index.dtype)).tolist()
         for i, (a, b) in enumerate(itertools.pairwise(bounds)):
             if b > a:
+                self._written.add(i)
                 flat = self.target[self.layout[i][0]].view(-1)
                 where = (index[a:b] - int(self._starts[i])).to(torch.int64)
                 flat.index_copy_(0, where, values[a:b])
