@@ -48,12 +48,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_weight_sync import _ack, _bcast, _command, _digest  # noqa: E402
+
 import shardgather as sg  # noqa: E402
 from shardgather._memory import peak_rss_rise  # noqa: E402
 
 MiB = 2**20
 STOP, SG_SYNC, PER_TENSOR, NAMES, TOKENS = 0, 1, 2, 3, 4
-TIMEOUT = datetime.timedelta(minutes=10)
+TIMEOUT = datetime.timedelta(minutes=10)  # as bench_weight_sync's helpers use
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 
@@ -72,36 +74,7 @@ def config(layers: int):  # type: ignore[no-untyped-def]
     )
 
 
-def _bcast(group, t: torch.Tensor, root: int = 0) -> None:  # type: ignore[no-untyped-def]
-    import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    group.broadcast([t], opts).wait(TIMEOUT)
-
-
-def _ack(group) -> None:  # type: ignore[no-untyped-def]
-    import torch.distributed as dist
-
-    group.allreduce([torch.zeros(1)], dist.AllreduceOptions()).wait(TIMEOUT)
-
-
-def _command(group, cmd: int = 0, arg: int = 0) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    t = torch.tensor([cmd, arg], dtype=torch.int64)
-    _bcast(group, t)
-    return int(t[0]), int(t[1])
-
-
 # ---------------------------------------------------------------------- the engine
-
-
-def _digest(tensors: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    """An exact checksum of every bf16 tensor's bits (int64 weighted sums)."""
-    out = torch.zeros(len(names), dtype=torch.int64)
-    for i, n in enumerate(names):
-        bits = tensors[n].contiguous().reshape(-1).view(torch.int16).to(torch.int64)
-        out[i] = (bits * (torch.arange(bits.numel(), dtype=torch.int64) % 65521 + 1)).sum()
-    return out
 
 
 def engine(model_dir: str, port: int, ctl_port: int, out: str, dtype: str) -> None:

@@ -42,7 +42,7 @@ from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
 from ._plan.subset import KeySelection
 from ._progress import Progress
-from .errors import CheckpointError, StateDictMismatchError
+from .errors import CheckpointError, ShardGatherError, StateDictMismatchError
 from .io import json_values
 from .io.publish import publish_dir
 from .io.safetensors_format import read_header
@@ -125,6 +125,7 @@ def save_checkpoint(
         plan = build_plan(check_model(model), keys=keys)
         subset = keys is not None
         st = state_plan(call, model, optimizer) if optimizer is not None else None
+        small = _small_files(call, st, extra)  # their values at call time; checked first
         tmp = _temporary_dir(call, final)
 
         def remove() -> None:
@@ -132,7 +133,6 @@ def save_checkpoint(
                 shutil.rmtree(tmp, ignore_errors=True)
 
         try:
-            small = _small_files(call, st, extra)  # their values at call time
             if blocking:
                 total = run.plan_bytes(plan) + (run.plan_bytes(st.plan) if st else 0)
                 with contextlib.closing(
@@ -209,6 +209,20 @@ def _small_files(
     buf = io.BytesIO()
     torch.save(extra or {}, buf)
     out[EXTRA_FILE] = buf.getvalue()
+    # What load_checkpoint will read back without trust_pickle: refused here, before
+    # anything is written, rather than after the save at the load.
+    try:
+        torch.load(io.BytesIO(out[EXTRA_FILE]), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = found.group(1) if found else "an object outside torch's safe types"
+        raise ShardGatherError(
+            f"save_checkpoint: extra holds {what}, which load_checkpoint would refuse "
+            "(rebuilding it means unpickling, which can run code); nothing was written. "
+            "Store plain values instead (numbers, strings, lists, dicts, tensors: e.g. a "
+            "datetime as its isoformat(), a scheduler as its state_dict()), or allow the "
+            "class with torch.serialization.add_safe_globals([...]) where you save and load."
+        ) from None
     return out
 
 

@@ -187,6 +187,13 @@ def sweep(rank: int, world: int, tmp: str, kind: str) -> dict:  # type: ignore[t
     # the others post, and the other way round).
     all_steps = _union_steps(steps, rank, world, tmp)
 
+    def clean(verb: str, what: str) -> list[str]:
+        """A call of ``verb`` with no fault: it must work, bit-exact."""
+        cls, msg, got = attempt(verb, None)
+        if cls is not None:
+            return [f"{what}: {cls}: {msg}"]
+        return [f"{what}: {p}" for p in _check(verb, got, rank, want, local, model, tmp, osd)]
+
     # 3. The sweep.
     pairs = [(0, None), (world - 1, 1 % world), (1 % world, 0)]
     for verb, verb_steps in all_steps.items():
@@ -196,25 +203,11 @@ def sweep(rank: int, world: int, tmp: str, kind: str) -> dict:  # type: ignore[t
                     fault = {"step": step, "kind": kind_, "rank": bad, "late": late}
                     cls, msg, _ = attempt(verb, fault)
                     out["outcomes"].append((verb, step, fault, rank, cls, msg, inj.fired))
-                    cls, msg, got = attempt(verb, None)
-                    if cls is not None:
-                        out["problems"].append(f"after {fault} in {verb}: {cls}: {msg}")
-                    else:
-                        out["problems"] += [
-                            f"after {fault} in {verb}: {p}"
-                            for p in _check(verb, got, rank, want, local, model, tmp, osd)
-                        ]
+                    out["problems"] += clean(verb, f"after {fault} in {verb}")
     # 4. Three calls of every verb in the same processes.
     for _ in range(3):
         for verb in verbs:
-            cls, msg, got = attempt(verb, None)
-            if cls is not None:
-                out["problems"].append(f"final {verb}: {cls}: {msg}")
-            else:
-                out["problems"] += [
-                    f"final {verb}: {p}"
-                    for p in _check(verb, got, rank, want, local, model, tmp, osd)
-                ]
+            out["problems"] += clean(verb, f"final {verb}")
     return out
 
 

@@ -244,6 +244,29 @@ def test_extra_is_not_unpickled_unless_trusted(tmp_path) -> None:  # type: ignor
     assert sg.load_checkpoint(ckpt, model, opt, trust_pickle=True)["user"].step == 3
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_extra_that_a_load_would_refuse_is_refused_at_save_before_anything_is_written(
+    tmp_path, blocking: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a datetime in ``extra`` was saved, and only the load refused it."""
+    import datetime
+
+    model = _model()
+    opt = make_optimizer(model)
+    ckpt = tmp_path / "ckpt"
+    when = datetime.datetime(2026, 12, 7, 18, 0)
+    with pytest.raises(sg.ShardGatherError, match="datetime") as e:
+        sg.save_checkpoint(ckpt, model, opt, extra={"when": when}, blocking=blocking)
+    assert "nothing was written" in str(e.value) and "isoformat" in str(e.value)
+    assert os.listdir(tmp_path) == []  # no directory, no temporary
+    # Allowed where it is saved and loaded: it round-trips.
+    with torch.serialization.safe_globals([datetime.datetime]):
+        handle = sg.save_checkpoint(ckpt, model, opt, extra={"when": when}, blocking=blocking)
+        if handle is not None:
+            handle.wait()
+        assert sg.load_checkpoint(ckpt, model, opt) == {"when": when}
+
+
 def test_legacy_pickled_optimizer_metadata_is_not_unpickled(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ckpt, _, _ = _checkpoint(tmp_path)
     marker = tmp_path / "code-ran"
