@@ -336,6 +336,30 @@ def test_plain_model_round_trip_single_process(tmp_path) -> None:  # type: ignor
     assert not diff_state_dicts(fresh.state_dict(), model.state_dict())
 
 
+def test_strict_false_with_no_matching_name_is_an_error_not_a_silent_no_op(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: strict=False on a file none of whose names are the model's loaded
+    nothing and returned as if it had."""
+    import safetensors.torch
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "other.safetensors"
+    prefixed = {f"model.{k}": v.clone() + 1 for k, v in model.state_dict().items()}
+    safetensors.torch.save_file(prefixed, str(path))
+    with pytest.raises(sg.StateDictMismatchError, match="none of the model's") as e:
+        sg.load_full_state_dict(model, path, strict=False)
+    assert "nothing was loaded" in str(e.value) and "key_map" in str(e.value), str(e.value)
+    assert not diff_state_dicts(model.state_dict(), before)
+    # Some names matching: strict=False loads those and reports the rest, as before.
+    some = {k: v + 1 for k, v in list(model.state_dict().items())[:2]}
+    safetensors.torch.save_file(some, str(path))
+    res = sg.load_full_state_dict(model, path, strict=False)
+    assert res.missing_keys and torch.equal(
+        model.state_dict()[next(iter(some))], next(iter(some.values()))
+    )
+
+
 @pytest.mark.parametrize(
     "garbage",
     [b"", b"abc", b"\xff" * 64, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}...."],

@@ -197,6 +197,19 @@ def validate(
             mismatched[key] = f"shape {tuple(shape)} in source, {tuple(e.shape)} in model"
         elif dtype != e.dtype and not (castable(dtype) and castable(e.dtype)):
             mismatched[key] = f"dtype {dtype} in source, {e.dtype} in model (cannot cast)"
+    if plan.keys and not any(k in have for k in plan.keys):
+        # strict=False loads "only the matching keys": with none, it would load nothing
+        # and return as if it had.
+        hint = _fix_for(list(plan.keys), unexpected) if unexpected else ""
+        raise StateDictMismatchError(
+            f"{what} holds none of the model's {len(plan.keys)} keys (e.g. "
+            f"{next(iter(plan.keys))!r}; the source has {[named(k) for k in unexpected[:3]]}"
+            f"{'...' if len(unexpected) > 3 else ''}): nothing was loaded. {hint}"
+            "Is it the checkpoint of this model, with its names (key_map= renames them)?",
+            list(plan.keys) if not partial else [],
+            unexpected,
+            mismatched,
+        )
     if mismatched or (strict and (missing or unexpected)):
         parts = []
         if missing:
