@@ -405,6 +405,7 @@ class Call:
         payload: Any = None,
         gather: str = "none",
         count: int | None = None,
+        agree: dict[str, str] | None = None,
     ) -> list[Any] | Any:
         """One bounded agreement of every rank.
 
@@ -418,6 +419,8 @@ class Call:
                 0's to the others.
             count: an integer each rank adds; the sum over ranks is ``self.count``
                 after the round (e.g. how many ranks can see a file).
+            agree: arguments every rank must have passed alike (e.g. ``{"path": ...}``);
+                a rank holding other values fails the round, the error naming both.
 
         Raises:
             The agreed error (see :class:`Call`) when any rank failed, now or earlier
@@ -438,10 +441,11 @@ class Call:
                 # Every round carries its name: ranks whose calls took different
                 # sequences of rounds get one error naming both, never a payload of one
                 # round read as another's.
-                mine = f"{name}{_SEP}{same or ''}".encode()
+                args = json.dumps(agree, sort_keys=True) if agree else ""
+                mine = f"{name}{_SEP}{same or ''}{_SEP}{args}".encode()
                 first = self.store.compare_set(self._key(k + "same"), "", mine)
                 if first != mine:
-                    self.fail(self._disagreement(name, same, first.decode()))
+                    self.fail(self._disagreement(name, same, agree, first.decode()))
             if self.rounds == 1 and self.failure is None:
                 self._same_verb()
             self._set(k + f"at/{self.rank}", pickle.dumps(payload))
@@ -484,8 +488,20 @@ class Call:
             return [pickle.loads(v) for v in self.store.multi_get(keys)]
         return None
 
-    def _disagreement(self, name: str, same: str | None, theirs: str) -> CollectiveError:
-        their_name, _, their_same = theirs.partition(_SEP)
+    def _disagreement(
+        self, name: str, same: str | None, agree: dict[str, str] | None, theirs: str
+    ) -> CollectiveError:
+        their_name, _, rest = theirs.partition(_SEP)
+        their_same, _, their_args = rest.partition(_SEP)
+        if their_name == name and their_same == (same or ""):
+            other = json.loads(their_args) if their_args else {}
+            mine = agree or {}
+            label = next(k for k in sorted({*mine, *other}) if mine.get(k) != other.get(k))
+            return CollectiveError(
+                f"ranks passed different {label}s to {self.what}: {other.get(label)!r} on "
+                f"another rank, {mine.get(label)!r} on rank {self.rank}. Every rank must "
+                f"pass the same {label} (rank 0's would otherwise win silently)."
+            )
         if their_name != name:
             return CollectiveError(
                 f"ranks took different steps in {self.what}: its round {self.rounds} is "

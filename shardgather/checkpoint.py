@@ -240,7 +240,13 @@ def _temporary_dir(call: Call, final: str) -> str:
                 f"save_checkpoint({final!r}): rank 0 cannot create {tmp!r}: {exc}. Check that "
                 "the parent directory exists and is writable on rank 0; nothing was written."
             ) from exc
-    return call.round("directory", payload=tmp, gather="rank0")
+    try:
+        return call.round("directory", payload=tmp, gather="rank0", agree={"path": final})
+    except BaseException as exc:
+        call.latch(exc)  # before the cleanup (see Call.latch)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @dataclass

@@ -334,3 +334,35 @@ def test_one_rank_calling_or_ranks_in_different_verbs_are_named_within_the_arriv
         assert "save_full_state_dict" in msg and "load_full_state_dict" in msg, msg
         assert spent < 60, spent
     assert r0["leftovers"] == ["m.safetensors"], r0
+
+
+def different_paths_worker(rank: int, world: int, tmp: str) -> dict:  # type: ignore[type-arg]
+    """Each rank passes its own path: an error naming both, on every rank, nothing
+    written (it was rank 0's path, silently)."""
+    model, _ = build("fsdp2", world, seed=0)
+    out = {}
+    for verb, fn in {
+        "save": lambda: sg.save_full_state_dict(model, os.path.join(tmp, f"m{rank}.safetensors")),
+        "save-collective": lambda: sg.save_full_state_dict(
+            model, os.path.join(tmp, f"c{rank}.safetensors"), transport="collective"
+        ),
+        "checkpoint": lambda: sg.save_checkpoint(os.path.join(tmp, f"ckpt{rank}"), model),
+    }.items():
+        out[verb] = _timed(fn)[:2]
+    dist.barrier()
+    out["left"] = sorted(os.listdir(tmp))
+    sg.save_full_state_dict(model, os.path.join(tmp, "same.safetensors"))  # then it works
+    return out
+
+
+def test_ranks_passing_different_paths_get_an_error_naming_both(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    r0, r1 = dist_harness.run(
+        "tests.test_failures:different_paths_worker", 2, timeout=240, tmp=str(tmp_path)
+    )
+    for verb, stem in (("save", "m"), ("save-collective", "c"), ("checkpoint", "ckpt")):
+        for r in (r0, r1):
+            cls, msg = r[verb]
+            assert cls == "CollectiveError" and "ranks passed different paths" in msg, (verb, r)
+            assert f"{stem}0" in msg and f"{stem}1" in msg, msg  # both paths named
+    assert r0["left"] == [], r0["left"]  # nothing written, no temporaries
+    assert sorted(os.listdir(tmp_path)) == ["same.safetensors"]

@@ -128,7 +128,11 @@ def route(call: Call, plan: GatherPlan, sink: Sink, opts: Options) -> Route:
             )
         payload = (why, sink.prepare(call, why is None, memfd), senders, hosts[:1])
     why, handoff, remote, host0 = call.round(
-        "plan", same=plan.fingerprint, payload=payload, gather="rank0"
+        "plan",
+        same=plan.fingerprint,
+        payload=payload,
+        gather="rank0",
+        agree=getattr(sink, "agreed", None),
     )
     local = why is None
     # Nothing sharded means nothing to move either way: no fallback worth a warning.

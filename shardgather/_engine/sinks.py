@@ -294,6 +294,7 @@ class Files:
 
     def __init__(self, fs: FileSet, *, what: str) -> None:
         self.fs, self.what = fs, what
+        self.agreed = {"path": fs.final}  # the plan round checks every rank passed it
         self.tmp: str | None = None
         self.out: OpenFiles | None = None
         self._rank0_fds: list[int] = []
