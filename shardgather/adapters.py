@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._dist import Call
 from ._engine.run import gather_to_all
 from ._fqn import clean_fqn
 from ._options import DEFAULT_TIMEOUT, check_model
@@ -144,10 +145,12 @@ def save_adapter(
         timeout=timeout,
         transport=transport,
     )
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        _write_config(peft_model, adapter_name, path)
+    # The config is part of the collective save: rank 0 writes it, and a failure there
+    # raises on every rank (it used to fail on rank 0 alone, after the others returned).
+    with Call("save_adapter", timeout) as call:
+        if call.rank == 0:
+            _write_config(peft_model, adapter_name, path)
+        call.round("adapter config")
 
 
 def load_adapter(
@@ -356,14 +359,38 @@ def _raw_module_names(peft_model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _base_model_class(peft_model: Any, prompt_learning: bool) -> type:
+    """The base model's own class, as PEFT names it: past FSDP1's wrapper and FSDP2's
+    ``FSDP<Name>`` subclass (``fully_shard`` makes one per class)."""
+    module = peft_model.base_model if prompt_learning else peft_model.base_model.model
+    module = getattr(module, "_fsdp_wrapped_module", module)
+    cls = type(module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch before FSDP2
+        return cls
+    while issubclass(cls, FSDPModule) and cls.__name__.startswith("FSDP"):
+        bases = [b for b in cls.__bases__ if b is not FSDPModule]
+        if not bases:
+            break
+        cls = bases[0]
+    return cls
+
+
 def _write_config(peft_model: Any, adapter_name: str, path: str) -> None:
     """``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (inference
     mode on), replaced in one step."""
     config = copy.deepcopy(peft_model.peft_config[adapter_name])
     config.inference_mode = True
+    # What AutoPeftModel needs to find the base model's class when the config has no
+    # task_type (PEFT's own save_pretrained writes the same).
+    auto_mapping = None
+    if getattr(config, "task_type", None) is None:
+        cls = _base_model_class(peft_model, bool(getattr(config, "is_prompt_learning", False)))
+        auto_mapping = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
     with tempfile.TemporaryDirectory(dir=path, prefix=".adapter-config-") as tmp:
         try:
-            config.save_pretrained(tmp)
+            config.save_pretrained(tmp, auto_mapping_dict=auto_mapping)
             os.replace(os.path.join(tmp, CONFIG_NAME), os.path.join(path, CONFIG_NAME))
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot write {CONFIG_NAME} ({exc})") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 
 import pytest
@@ -336,6 +337,85 @@ def test_adapter_keys_match_peft_on_a_plain_model(method: str, tmp_path) -> None
     torch.manual_seed(9)
     loaded = PeftModel.from_pretrained(LlamaForCausalLM(config), tmp_path / "a")
     assert diff_state_dicts(get_peft_model_state_dict(loaded), want) == []
+
+
+def test_an_adapter_without_task_type_loads_with_auto_peft_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: with the README's LoraConfig(r=8, target_modules=[...]) (no
+    task_type), AutoPeftModel.from_pretrained on save_adapter's directory failed ("Cannot
+    infer the auto class from the config"): adapter_config.json lacked the auto_mapping
+    PEFT's own save_pretrained writes."""
+    from peft import AutoPeftModel, LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    base, _ = _llama(seed=0)
+    base.save_pretrained(tmp_path / "base")
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base")  # name_or_path: that directory
+    pm = get_peft_model(base, LoraConfig(r=2, target_modules=TARGETS, init_lora_weights=False))
+    sg.save_adapter(pm, tmp_path / "a")
+    with open(tmp_path / "a" / "adapter_config.json") as f:
+        written = json.load(f)
+    assert written["auto_mapping"] == {
+        "base_model_class": "LlamaForCausalLM",
+        "parent_library": "transformers.models.llama.modeling_llama",
+    }, written
+    loaded = AutoPeftModel.from_pretrained(tmp_path / "a")
+    want = get_peft_model_state_dict(pm)
+    assert diff_state_dicts(get_peft_model_state_dict(loaded), want) == []
+
+
+def config_fails_worker(rank: int, world: int, tmp: str) -> dict:  # type: ignore[type-arg]
+    """save_adapter where rank 0 cannot write adapter_config.json; FSDP2 ranks, whose
+    base-model class is fully_shard's ``FSDP<Name>`` subclass."""
+    from shardgather import adapters
+
+    pm, _ = _peft_llama(seed=0)
+    pm = _shard(pm, "fsdp2")
+    real = adapters._write_config
+    out: dict = {}
+    if rank == 0:
+
+        def broken(*a, **k):  # type: ignore[no-untyped-def]
+            raise sg.CheckpointError("adapter_config.json: disk full (simulated)")
+
+        adapters._write_config = broken
+    try:
+        sg.save_adapter(pm, os.path.join(tmp, "a"))
+        out["raised"] = None
+    except sg.ShardGatherError as exc:
+        out["raised"] = f"{type(exc).__name__}: {exc}"
+    adapters._write_config = real
+    sg.save_adapter(pm, os.path.join(tmp, "b"))  # the next call works
+    with open(os.path.join(tmp, "b", "adapter_config.json")) as f:
+        out["auto_mapping"] = json.load(f).get("auto_mapping")
+    return out
+
+
+def test_a_failed_adapter_config_write_raises_on_every_rank(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression: rank 0 wrote the config alone after the collective save; its failure
+    raised on rank 0 only, the others returned as if the adapter were saved."""
+    res = dist_harness.run("tests.test_adapters:config_fails_worker", 2, tmp=str(tmp_path))
+    for r in res:
+        assert r["raised"] and "disk full (simulated)" in r["raised"], r
+        assert r["auto_mapping"]["base_model_class"] == "LlamaForCausalLM", r
+
+
+def test_the_base_class_named_for_auto_peft_model_is_the_models_own_under_fsdp2() -> None:
+    """fully_shard swaps a module's class for an ``FSDP<Name>`` subclass: the config
+    names the class underneath."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import LlamaForCausalLM
+
+    from shardgather.adapters import _base_model_class
+
+    sharded = type("FSDPLlamaForCausalLM", (FSDPModule, LlamaForCausalLM), {})
+    model = object.__new__(sharded)  # no __init__: only its class matters
+    pm = SimpleNamespace(base_model=SimpleNamespace(model=model))
+    assert _base_model_class(pm, prompt_learning=False) is LlamaForCausalLM
+    wrapped = SimpleNamespace(_fsdp_wrapped_module=object.__new__(LlamaForCausalLM))
+    pm = SimpleNamespace(base_model=SimpleNamespace(model=wrapped))  # FSDP1's wrapper
+    assert _base_model_class(pm, prompt_learning=False) is LlamaForCausalLM
 
 
 def test_adapter_errors_say_what_to_do() -> None:
