@@ -159,6 +159,8 @@ def _failure_record(exc: BaseException, where: int) -> dict[str, Any]:
     and message, and a mismatch's key lists."""
     cls = errors.qualified(type(exc)) if isinstance(exc, ShardGatherError) else None
     rec: dict[str, Any] = {"rank": where, "type": cls, "message": _describe(exc)}
+    if getattr(exc, "_shardgather_missing", False):
+        rec["missing"] = True
     if isinstance(exc, errors.StateDictMismatchError):
         rec["fields"] = [exc.missing_keys, exc.unexpected_keys, exc.mismatched]
     return rec
@@ -176,15 +178,18 @@ def agreed_error(what: str, records: list[dict[str, Any]], missing: list[int]) -
     shardgather's own (e.g. a CheckpointError every rank found), else CollectiveError;
     the message names every failed and every missing rank."""
     parts = [f"rank {r['rank']}: {r['message']}" for r in sorted(records, key=lambda r: r["rank"])]
-    if missing:
+    # A rank that gave up waiting already said why the others are missing (in no call,
+    # in another one, or in this one but stuck): only a bare wait needs this line.
+    explained = any(r.get("missing") for r in records)
+    if missing and not explained:
         parts.append(
             f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
-            "arrive within the timeout (stuck, or dead)"
+            "arrive within the timeout (still busy in its previous step, stuck, or gone)"
         )
     types = {r["type"] for r in records}
     name = types.pop() if len(types) == 1 and not missing else None
     cls = errors.by_name(name) or CollectiveError
-    message = f"{what} failed on every rank: " + "; ".join(parts)
+    message = f"{what} failed: " + "; ".join(parts)
     if issubclass(cls, errors.StateDictMismatchError):
         fields = next((r["fields"] for r in records if "fields" in r), [[], [], {}])
         err: ShardGatherError = cls(message, *fields)
@@ -389,7 +394,7 @@ class Call:
             spent = time.monotonic() - start
             late = spent > arrival and not all(self._in_this_call(r) for r in missing)
             if missing and (late or spent > self.timeout.total_seconds()):
-                self.fail(CollectiveError(self._missing_message(f"{name} facts", missing)))
+                self.fail(self._missing_error(f"{name} facts", missing))
                 self.raise_failures(missing)
         present = [k for r, k in zip(ranks, keys) if r not in skipped]
         got = dict(zip(present, self.store.multi_get(present))) if present else {}
@@ -437,6 +442,8 @@ class Call:
         try:
             if count is not None:
                 self.store.add(self._key(k + "count"), int(count))
+            if self.rounds == 1 and self.failure is None:
+                self._same_verb()  # first: ranks in different verbs differ in all else too
             if self.failure is None:
                 # Every round carries its name: ranks whose calls took different
                 # sequences of rounds get one error naming both, never a payload of one
@@ -446,8 +453,6 @@ class Call:
                 first = self.store.compare_set(self._key(k + "same"), "", mine)
                 if first != mine:
                     self.fail(self._disagreement(name, same, agree, first.decode()))
-            if self.rounds == 1 and self.failure is None:
-                self._same_verb()
             self._set(k + f"at/{self.rank}", pickle.dumps(payload))
             if self.rank == 0:  # counters every rank touched: rank 0 removes them later
                 _KEYS.extend(self._key(k + s) for s in ("n", "same", "all"))
@@ -471,7 +476,7 @@ class Call:
             ) from exc
         if missing or self.failure is not None or self.store.add(self._key("nfailed"), 0) > 0:
             if missing:
-                self.fail(CollectiveError(self._missing_message(name, missing)))
+                self.fail(self._missing_error(name, missing))
             self.raise_failures(missing)
         if count is not None:
             self.count = self.store.add(self._key(k + "count"), 0)
@@ -559,6 +564,11 @@ class Call:
     def _in_this_call(self, r: int) -> bool:
         return self._where(r) == f"{self.id}:{self.what}"
 
+    def _missing_error(self, name: str, missing: list[int]) -> CollectiveError:
+        err = CollectiveError(self._missing_message(name, missing))
+        err._shardgather_missing = True  # type: ignore[attr-defined]
+        return err
+
     def _missing_message(self, name: str, missing: list[int]) -> str:
         where = []
         for r in missing:
@@ -567,7 +577,10 @@ class Call:
             if not at:
                 where.append(f"rank {r} is not in any shardgather call")
             elif at == f"{self.id}:{self.what}":
-                where.append(f"rank {r} is in {verb} but did not reach {name!r}")
+                where.append(
+                    f"rank {r} is in {verb} too but still busy in an earlier step (its next "
+                    f"one: {name!r}): slow, or stuck"
+                )
             else:
                 n = at.split(":", 1)[0]
                 where.append(
@@ -577,7 +590,7 @@ class Call:
         waited = min(self.timeout, _ARRIVAL["timeout"]) if self.rounds == 1 else self.timeout
         call_text = self.what if "." in self.what else f"sg.{self.what}"
         return (
-            f"gave up waiting for the others at {name!r} after {waited}: "
+            f"gave up waiting for the other ranks after {waited}: "
             + "; ".join(where)
             + f". Rank {self.rank} is in {self.what}: every rank of the process group must "
             "make the same shardgather calls in the same order (they are collective: not "

@@ -77,6 +77,14 @@ def _packed(
     )
 
 
+# What the other ranks learn when one leaves a stream early (GeneratorExit: a ``break``,
+# or an exception raised in the loop's body, which stays on that rank).
+_STOPPED = (
+    "its loop stopped before the end of the stream (a `break`, or an error raised in the "
+    "loop's body on that rank): every rank must iterate to the end, in lockstep"
+)
+
+
 class Gatherer:
     """Repeated full gathers of one model that allocate nothing after the first call.
 
@@ -222,7 +230,7 @@ class Gatherer:
                     yield key, t
                     sink.handed_over(key)  # the consumer asked for the next one
             except GeneratorExit:
-                call.fail(CollectiveError("stopped before the end of the stream (see its error)"))
+                call.fail(CollectiveError(_STOPPED))
                 raise
             finally:
                 sink.stop()
@@ -292,7 +300,7 @@ class Gatherer:
             if held:
                 yield from self._pack_whole(held, plan, limit, device)
         except GeneratorExit:
-            call.fail(CollectiveError("stopped before the end of the stream (see its error)"))
+            call.fail(CollectiveError(_STOPPED))
             raise
         finally:
             sink.stop()

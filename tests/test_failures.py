@@ -325,6 +325,10 @@ def test_one_rank_calling_or_ranks_in_different_verbs_are_named_within_the_arriv
     assert "rank 1 is not in any shardgather call" in msg, msg
     assert "every rank of the process group must make the same shardgather calls" in msg, msg
     assert "if rank == 0: sg.save_full_state_dict(...)" in msg and "set_arrival_timeout" in msg
+    # Regression: it said "failed on every rank" (rank 1 never called), named an internal
+    # step ('host ids'), and ended with "stuck, or dead".
+    assert "failed on every rank" not in msg and "stuck, or dead" not in msg, msg
+    assert "'host" not in msg and "'plan'" not in msg, msg
     assert spent < 60, spent  # the arrival bound (2 s), not the call's 120 s
     assert r1["late"][0] == "CollectiveError" and "rank 0" in r1["late"][1], r1
     for r in (r0, r1):

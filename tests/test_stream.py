@@ -120,6 +120,14 @@ def consumer_fails_worker(rank: int, world: int) -> dict:  # type: ignore[type-a
         out["raised"] = None
     except Exception as exc:
         out["raised"] = (type(exc).__name__, str(exc))
+    # Rank 0 breaks out of its loop: no error of its own, the others are told so.
+    try:
+        for i, _ in enumerate(sg.iter_full_tensors(model, bucket_mb=0.001, timeout=timeout)):
+            if rank == 0 and i == 3:
+                break
+        out["after_break"] = None
+    except Exception as exc:
+        out["after_break"] = (type(exc).__name__, str(exc))
     # The process group is healthy: the next calls work.
     sd = sg.full_state_dict(model)
     ref = _torch_full(model)  # collective: every rank, before anything rank-dependent
@@ -132,7 +140,12 @@ def consumer_fails_worker(rank: int, world: int) -> dict:  # type: ignore[type-a
 def test_a_consumer_that_fails_on_one_rank_raises_everywhere() -> None:
     r0, r1 = dist_harness.run("tests.test_stream:consumer_fails_worker", 2, timeout=120)
     assert r0["raised"] == ("ValueError", "the inference engine refused a tensor"), r0
-    assert r1["raised"][0] == "CollectiveError" and "rank 0: stopped" in r1["raised"][1], r1
+    assert r1["raised"][0] == "CollectiveError" and "rank 0: its loop stopped" in r1["raised"][1]
+    # Regression: a break told rank 1 to "see its error", which did not exist.
+    assert r0["after_break"] is None, r0
+    cls, msg = r1["after_break"]
+    assert cls == "CollectiveError" and "a `break`" in msg and "see its error" not in msg, msg
+    assert "every rank must iterate to the end" in msg, msg
     assert r0["next_ok"] and r1["next_ok"]
     assert r0["next_stream"] == r1["next_stream"] == len(TinyLM().state_dict()) - 1
 
