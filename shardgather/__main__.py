@@ -60,13 +60,18 @@ def cmd_inspect(path: str) -> int:
     rows: list[tuple[str, str, tuple[int, ...], int]] = []
     aliases: dict[str, str] = {}
     files: list[str] = []
-    from .io.dcp_format import dcp_sources, is_dcp_directory
+    from .io.dcp_format import is_dcp_directory
+    from .io.deepspeed_format import is_deepspeed_checkpoint
 
     dcp_files: set[str] = set()
-    if is_dcp_directory(path):
-        for k, t in dcp_sources(path).items():
+    if is_dcp_directory(path) or is_deepspeed_checkpoint(path):
+        # What consolidate reads, read the same way (DeepSpeed's too: `inspect ds_ckpt/`
+        # failed where `consolidate ds_ckpt/` worked).
+        stored, tied, _ = _consolidation_sources(path)
+        for k, t in stored.items():
             rows.append((k, str(t.dtype).replace("torch.", ""), t.shape, t.nbytes))
             dcp_files.update(t.paths)
+        aliases.update(tied)
     elif os.path.isdir(path) or path.endswith(INDEX_SUFFIX):
         files, weight_map = safetensors_files(path)
         open_sources(files, weight_map)  # the files agree with each other and the index

@@ -99,7 +99,14 @@ def test_bad_file_is_an_error_not_a_crash(tmp_path, capsys) -> None:  # type: ig
     bad = tmp_path / "x.bin"
     bad.write_bytes(b"garbage")
     assert main(["inspect", str(bad)]) == 2
-    assert "not a safetensors or torch checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # Regression: it printed torch's mmap advice ("torch.save your checkpoint with this
+    # option in order to use mmap") for a file that is no checkpoint at all.
+    assert "not a checkpoint" in err and "mmap" not in err, err
+    notes = tmp_path / "notes.txt"
+    notes.write_text("step 1000: loss 2.3\n")
+    assert main(["inspect", str(notes)]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
 
 
 def test_consolidate_to_the_hf_layout_matches_torch_and_loads(tmp_path, model) -> None:  # type: ignore[no-untyped-def]

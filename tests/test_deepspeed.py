@@ -126,6 +126,8 @@ def test_consolidate_is_bit_exact_with_frozen_tied_and_buffers(
 ) -> None:  # type: ignore[no-untyped-def]
     d, result = checkpoints[stage]
     out = tmp_path / "model.safetensors"
+    # Regression: `inspect` failed on what `consolidate` takes.
+    assert main(["inspect", d]) == 0
     assert main(["consolidate", d, str(out), "--no-progress"]) == 0  # the parent, via latest
     got = sg.load_file(out)
     want = _expected(result)

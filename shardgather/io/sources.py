@@ -49,6 +49,17 @@ def read_torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
     from the keys."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    # torch.save writes a zip archive ("PK\x03\x04"); the legacy format is a pickle
+    # (protocol 2+: "\x80"). Anything else is not a torch file at all: say so, not what
+    # torch's mmap loader says of it.
+    if not magic.startswith((b"PK\x03\x04", b"\x80")):
+        raise CheckpointError(
+            f"{path}: not a checkpoint: neither safetensors nor a torch.save file (it starts "
+            f"with {magic!r}); shardgather reads safetensors files and directories, torch "
+            "files, torch.distributed.checkpoint and DeepSpeed directories"
+        )
     try:
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
