@@ -156,6 +156,31 @@ def _renamed(keys: Sequence[str]) -> dict[str, str]:
     return new
 
 
+def _stored_once(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors to write, each shared one once (tied weights: safetensors refuses tensors
+    that share memory), and the aliases (key -> the key stored) that shardgather's
+    ``load_file`` restores. Other views of a stored storage are copied."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}  # type: ignore[type-arg]
+    stored_storages: set[int] = set()
+    for key, t in sd.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        begin = t.storage_offset() * t.element_size()
+        ident = (ptr, begin, tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        # Another view of a storage already stored: a copy of its own (safetensors
+        # refuses tensors that share memory).
+        shares = bool(t.numel()) and ptr in stored_storages
+        stored[key] = t.contiguous().clone() if shares else t.contiguous()
+        if t.numel():
+            seen[ident] = key
+            stored_storages.add(ptr)
+    return stored, aliases
+
+
 def cmd_clean_keys(src: str, out: str) -> int:
     """Rename keys; OUT's extension picks its format (.safetensors, else torch.save)."""
     src_st = _is_safetensors(src)
@@ -191,23 +216,34 @@ def cmd_clean_keys(src: str, out: str) -> int:
             _cleanup(fd, tmp)
             raise
     else:
+        others: dict = {}  # type: ignore[type-arg]
         if src_st:
             from .api import load_file
 
             sd = load_file(src)
         else:
-            sd = _torch_state_dict(src)
+            from .io.sources import read_torch_entries
+
+            sd, others = read_torch_entries(src, clean=False)
         names = _renamed(list(sd))
         clean = {names[k]: v for k, v in sd.items()}
+        if others and out.endswith(".safetensors"):
+            raise ShardGatherError(
+                f"{src} holds entries that are not tensors ({sorted(map(str, others))[:5]}), "
+                "which a safetensors file cannot hold: nothing was written. Write a torch "
+                "file instead (an OUT not ending in .safetensors keeps them), or drop them."
+            )
         fd, tmp = _atomic_target(out)
         os.close(fd)
         try:
             if out.endswith(".safetensors"):
                 from safetensors.torch import save_file
 
-                save_file({k: v.contiguous() for k, v in clean.items()}, tmp)
+                stored, aliases = _stored_once(clean)
+                meta = {ALIASES_KEY: json.dumps(aliases)} if aliases else None
+                save_file(stored, tmp, metadata=meta)
             else:
-                torch.save(clean, tmp)
+                torch.save({**clean, **{k: v for k, v in others.items() if k not in clean}}, tmp)
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):

@@ -58,6 +58,36 @@ def test_clean_keys_repairs_a_wrapped_checkpoint(tmp_path, model, src_kind, out_
     assert not diff_state_dicts(got, want, order=False)
 
 
+def test_clean_keys_takes_tied_weights_and_keeps_other_entries(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Regressions: a torch file whose weights share memory (tied embeddings, the very
+    file ``inspect`` sends to clean-keys) crashed with safetensors' raw traceback; entries
+    that are not tensors (``epoch``) were dropped silently."""
+    w = torch.randn(5, 3)
+    wrapped = {
+        "_fsdp_wrapped_module.embed.weight": w,
+        "_fsdp_wrapped_module.head.weight": w,  # tied: the same tensor
+        "_fsdp_wrapped_module.half": w[:2],  # another view of the same storage
+        "module.bias": torch.zeros(3),
+    }
+    src = tmp_path / "old.pt"
+    torch.save(wrapped, src)
+    out = tmp_path / "fixed.safetensors"
+    assert main(["clean-keys", str(src), str(out)]) == 0
+    got = sg.load_file(out)
+    assert sorted(got) == ["bias", "embed.weight", "half", "head.weight"]
+    assert torch.equal(got["embed.weight"], w) and torch.equal(got["half"], w[:2])
+    assert got["head.weight"].data_ptr() == got["embed.weight"].data_ptr()  # stored once
+    # Entries that are not tensors: a safetensors output refuses them by name, a torch
+    # output keeps them.
+    torch.save({**wrapped, "epoch": 3}, src)
+    refused = tmp_path / "refused.safetensors"
+    assert main(["clean-keys", str(src), str(refused)]) == 2
+    assert "epoch" in capsys.readouterr().err and not refused.exists()
+    assert main(["clean-keys", str(src), str(tmp_path / "fixed.pt")]) == 0
+    kept = torch.load(tmp_path / "fixed.pt", weights_only=True)
+    assert kept["epoch"] == 3 and torch.equal(kept["head.weight"], w)
+
+
 def test_clean_keys_refuses_flat_params(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     src = tmp_path / "flat.pt"
     torch.save({"_fsdp_wrapped_module._flat_param": torch.zeros(10)}, src)

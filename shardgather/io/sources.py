@@ -47,6 +47,13 @@ def read_torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
     """A torch.save'd state dict, memory-mapped, read with ``weights_only=True``. A nested
     ``state_dict``/``model``/``module`` dict is found; ``clean`` strips wrapper prefixes
     from the keys."""
+    tensors, _ = read_torch_entries(path, clean)
+    return tensors
+
+
+def read_torch_entries(path: str, clean: bool = True) -> tuple[dict[str, torch.Tensor], dict]:  # type: ignore[type-arg]
+    """:func:`read_torch_file`'s tensors, and the other entries beside them (e.g. an
+    ``epoch``), for a tool that must not drop them silently."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
     with open(path, "rb") as f:
@@ -69,9 +76,10 @@ def read_torch_file(path: str, clean: bool = True) -> dict[str, torch.Tensor]:
             obj = obj[nested]
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, got {type(obj).__name__}")
-    return {
+    tensors = {
         (clean_fqn(k) if clean else k): v for k, v in obj.items() if isinstance(v, torch.Tensor)
     }
+    return tensors, {k: v for k, v in obj.items() if not isinstance(v, torch.Tensor)}
 
 
 def open_path(
