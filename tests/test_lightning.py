@@ -585,7 +585,8 @@ def fabric_default_sizes_worker(rank: int, world: int) -> dict:  # type: ignore[
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fabric.setup_module(TinyLM())
-    return {"warnings": [str(w.message) for w in caught if "shardgather" in str(w.message)]}
+    ours = [w for w in caught if "shardgather" in str(w.message)]
+    return {"warnings": [str(w.message) for w in ours], "files": [w.filename for w in ours]}
 
 
 def test_fabric_sizes_that_shard_nothing_are_warned(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -593,3 +594,5 @@ def test_fabric_sizes_that_shard_nothing_are_warned(tmp_path) -> None:  # type: 
         assert len(r["warnings"]) == 1, r
         msg = r["warnings"][0]
         assert "'tensor_parallel'" in msg and "tensor_parallel_size=1" in msg, msg
+        # Regression: it pointed into Lightning's source, not at the user's call.
+        assert r["files"] == [__file__], r["files"]

@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -237,11 +238,28 @@ def _warn_unused_mesh_dims(model: nn.Module, mesh: Any) -> None:
                 "unsynchronised copies, and a checkpoint saves one of them. Pass the sizes "
                 "your parallelize function uses, e.g. data_parallel_size=N, "
                 "tensor_parallel_size=1 for FSDP alone.",
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
 
 
 _WARNED_DIMS: set[str] = set()
+
+# Code a warning must not point into: the user's line is the first frame outside these
+# (Lightning calls the strategy from several depths, so no fixed stacklevel finds it).
+_FRAMEWORK = ("shardgather", "lightning", "pytorch_lightning", "lightning_fabric", "torch")
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel of the first caller outside shardgather, Lightning
+    and torch (called from the function that warns)."""
+    frame = sys._getframe(2)  # the function that warns is level 1
+    level = 2
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _FRAMEWORK:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 class ModelParallelStrategy(_TrainerCheckpoints, _TrainerModelParallelStrategy):
