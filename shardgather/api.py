@@ -477,6 +477,7 @@ def full_optim_state_dict(
     bucket_mb: float | None = None,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     transport: str = "auto",
+    progress: bool = False,
 ) -> dict[str, Any]:
     """The full optimizer state, keyed by the plain model's parameter names.
 
@@ -488,7 +489,8 @@ def full_optim_state_dict(
     Args:
         model, optimizer: the (sharded) model and the optimizer built on its parameters.
         rank0_only: only global rank 0 gets the dict (others ``{}``).
-        bucket_mb, timeout, transport: as for :func:`shardgather.full_state_dict`.
+        bucket_mb, timeout, transport, progress: as for
+            :func:`shardgather.full_state_dict`.
 
     Returns:
         ``{"state": {name: {state: value}}, "param_groups": [{..., "params": [name]}]}``.
@@ -498,7 +500,11 @@ def full_optim_state_dict(
     """
     with Call("full_optim_state_dict", timeout) as call:
         opts = Options(
-            bucket_mb=bucket_mb, rank0_only=rank0_only, timeout=timeout, transport=transport
+            bucket_mb=bucket_mb,
+            rank0_only=rank0_only,
+            timeout=timeout,
+            transport=transport,
+            progress=progress,
         )
         st = state_plan(call, check_model(model), optimizer)
         receives = not rank0_only or call.rank == 0

@@ -433,6 +433,7 @@ def progress_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[t
     sg.save_checkpoint(os.path.join(root, "ckpt"), model, opt, progress=True)
     sg.load_checkpoint(os.path.join(root, "ckpt"), model, opt, progress=True)
     sg.full_state_dict(model, progress=True, transport="collective")
+    sg.full_optim_state_dict(model, opt, progress=True)  # it took no progress= before
     return {"seen": seen}
 
 
@@ -447,6 +448,7 @@ def test_progress_counts_every_ranks_bytes_and_ends_at_the_total(tmp_path) -> No
         "shardgather: save_checkpoint",  # the optimizer state
         "shardgather: load_checkpoint",
         "shardgather: full_state_dict",
+        "shardgather: full_optim_state_dict",
     ], descs
     for desc, counted, total in r0["seen"]:
         assert total > 0 and counted == total, (desc, counted, total)
