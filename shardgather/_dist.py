@@ -66,7 +66,7 @@ STATS = {
 }
 
 _PREFIX = "shardgather/"
-_SEP = "\x1f"  # between a round's name and its ``same`` value in the store
+_SEP = "\x1f"  # between a round's name, its ``same`` value and its ``agree`` arguments
 
 
 def _arrival_default() -> datetime.timedelta:
