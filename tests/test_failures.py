@@ -370,3 +370,33 @@ def test_ranks_passing_different_paths_get_an_error_naming_both(tmp_path) -> Non
             assert f"{stem}0" in msg and f"{stem}1" in msg, msg  # both paths named
     assert r0["left"] == [], r0["left"]  # nothing written, no temporaries
     assert sorted(os.listdir(tmp_path)) == ["same.safetensors"]
+
+
+def different_rounds_worker(rank: int, world: int) -> dict:  # type: ignore[type-arg]
+    """Two ranks whose calls take different steps (a bug of shardgather's, were it to
+    happen): one error naming both rounds, never one round's payload read as another's."""
+    from shardgather._dist import Call
+
+    timeout = datetime.timedelta(seconds=30)
+
+    def steps() -> None:
+        with Call("full_state_dict", timeout) as call:
+            call.round("plan", same="fingerprint", payload="plan payload", gather="rank0")
+            if rank == 0:
+                call.round("done")
+            else:
+                call.round("host ids", payload=("host", None), gather="all")
+
+    out = {"raised": _timed(steps)[:2]}
+    dist.barrier()
+    with Call("full_state_dict", timeout) as call:  # the next call works
+        out["next"] = call.round("plan", payload=rank, gather="all")
+    return out
+
+
+def test_ranks_on_different_rounds_get_one_error_naming_both() -> None:
+    for r in dist_harness.run("tests.test_failures:different_rounds_worker", 2, timeout=120):
+        cls, msg = r["raised"]
+        assert cls == "CollectiveError" and "took different steps" in msg, r
+        assert "'done'" in msg and "'host ids'" in msg, msg
+        assert r["next"] == [0, 1], r
