@@ -46,6 +46,12 @@ class Progress:
             name = f"progress/{self.parts}"
             self.keys = (self.call.counter_key(name), self.call.counter_key(name + "/ranks"))
 
+    def counters(self) -> None:
+        """Make this part's store counters now (a job whose bytes are counted later, on a
+        writer thread, makes them on the calling thread, where the call's keys live)."""
+        if self.enabled and self.call.distributed:
+            self._keys()
+
     def part(self, nbytes: int) -> None:
         """The next part of the job moves ``nbytes`` (all ranks together)."""
         self.parts += 1

@@ -25,6 +25,7 @@ from ._options import DEFAULT_TIMEOUT, Options, Transport, check_model
 from ._plan import GatherPlan, build_plan, reshard_for_load
 from ._plan import optim as O
 from ._plan.subset import KeySelection, select
+from ._progress import Progress
 from .errors import CheckpointError, ShardGatherError
 from .io.hf_layout import KeyMap, extra_files, map_keys, output_layout
 from .io.safetensors_format import read_header
@@ -284,7 +285,8 @@ def save_full_state_dict(
         keep: list[Any] = []
         buffer = snapshot.buffer_for(model, "model", keep, reuse_staging)
         later = snapshot.gather_later(call, plan, sink, opts, buffer)
-    save = AsyncSave(call, [later], owner=id(model), keep=keep, path=path)
+        bar = Progress(call, opts.progress, run.plan_bytes(plan), f"shardgather: {call.what}")
+    save = AsyncSave(call, [later], owner=id(model), keep=keep, path=path, progress=bar)
     return snapshot.start(model, save)
 
 

@@ -175,6 +175,7 @@ def save_checkpoint(
         lambda name=name, data=data: _write_durably(os.path.join(tmp, name), data)
         for name, data in small.items()
     ]
+    total = run.plan_bytes(plan) + (run.plan_bytes(st.plan) if st else 0)
     handle = AsyncSave(
         call,
         laters,
@@ -184,6 +185,7 @@ def save_checkpoint(
         owner=id(model),
         keep=keep,
         path=final,
+        progress=Progress(call, opts.progress, total, "shardgather: save_checkpoint"),
     )
     return snapshot.start(model, handle)
 

@@ -434,6 +434,10 @@ def progress_worker(rank: int, world: int, root: str) -> dict:  # type: ignore[t
     sg.load_checkpoint(os.path.join(root, "ckpt"), model, opt, progress=True)
     sg.full_state_dict(model, progress=True, transport="collective")
     sg.full_optim_state_dict(model, opt, progress=True)  # it took no progress= before
+    # blocking=False: the writer threads count (it showed nothing before); wait() ends it.
+    ckpt = sg.save_checkpoint(os.path.join(root, "a"), model, opt, progress=True, blocking=False)
+    ckpt.wait()
+    sg.save_full_state_dict(model, path + ".a", progress=True, blocking=False).wait()
     return {"seen": seen}
 
 
@@ -449,6 +453,8 @@ def test_progress_counts_every_ranks_bytes_and_ends_at_the_total(tmp_path) -> No
         "shardgather: load_checkpoint",
         "shardgather: full_state_dict",
         "shardgather: full_optim_state_dict",
+        "shardgather: save_checkpoint",  # blocking=False: model and optimizer, one bar
+        "shardgather: save_full_state_dict",  # blocking=False
     ], descs
     for desc, counted, total in r0["seen"]:
         assert total > 0 and counted == total, (desc, counted, total)

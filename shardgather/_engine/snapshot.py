@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import os
 import threading
 import time
@@ -143,9 +144,13 @@ class Snapshot:
             # read the shards; the host does not.
             torch.cuda.current_stream().wait_event(self.ready)
 
-    def write(self, bytes_per_s: float | None = None) -> None:
+    def write(
+        self, bytes_per_s: float | None = None, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         """The background part: every snapshotted byte to its place in the file, at
-        most ``bytes_per_s`` (None: as fast as the disk takes them)."""
+        most ``bytes_per_s`` (None: as fast as the disk takes them); ``on_bytes(n)``
+        after each write (progress)."""
+        count = on_bytes or (lambda n: None)
         if self.ready is not None:
             self.ready.synchronize()
         pace = _Pace(bytes_per_s)
@@ -160,6 +165,7 @@ class Snapshot:
                         b = min(hi, a + pace.step)
                         pwrite_from(dfd, self.buffer[off + a - at : off + b - at], a)
                         pace.wrote(b - a)
+                        count(b - a)
                 except OSError:  # the device wants a larger alignment: page cache it is
                     self.direct = lambda fd: -1
                     dfd = -1
@@ -168,9 +174,11 @@ class Snapshot:
                     b = min(at + n, a + pace.step)
                     pwrite_from(fd, self.buffer[off + a - at : off + b - at], a)
                     pace.wrote(b - a)
+                    count(b - a)
                 continue
             pwrite_from(fd, self.buffer[off : off + lo - at], at)
             pwrite_from(fd, self.buffer[off + hi - at : off + n], hi)
+            count(n - (hi - lo))
 
     @property
     def nbytes(self) -> int:
@@ -213,9 +221,9 @@ class Later:
         self.call, self.sink, self.snapshot = call, sink, snapshot
         self.bytes_per_s = bytes_per_s
 
-    def write(self) -> None:
+    def write(self, on_bytes: Callable[[int], None] | None = None) -> None:
         if self.snapshot is not None:
-            self.snapshot.write(self.bytes_per_s)
+            self.snapshot.write(self.bytes_per_s, on_bytes)
             self.sink.flush()
 
 
@@ -274,10 +282,21 @@ class AsyncSave:
         owner: int = 0,
         keep: list[tuple[tuple[int, str], torch.Tensor]] | None = None,
         path: str | os.PathLike = "",
+        progress: Progress | None = None,
     ) -> None:
         self._call, self._laters = call, laters
         self.path = os.path.abspath(os.fspath(path)) if path else ""
-        self._background = [la.write for la in laters] + list(background)
+        # progress=True: the writer thread counts what it writes (rank 0 on the bar,
+        # the others to the job's counter), then rank 0 watches the others; wait()
+        # ends the bar at the total once every rank's writes are agreed.
+        self._progress = progress
+        if progress is not None:
+            progress.counters()
+        count = progress.update if progress is not None else None
+        self._background = [functools.partial(la.write, count) for la in laters]
+        self._background += list(background)
+        if progress is not None:
+            self._background.append(self._progress_written)
         self._publish, self._abort = publish, abort
         self._keep = keep or []
         self._owner = owner
@@ -354,7 +373,18 @@ class AsyncSave:
                 self._abort()
 
         self._when_written(abort)
+        self._when_written(self._close_progress)
         _IN_FLIGHT.pop(self._owner, None)
+
+    def _progress_written(self) -> None:
+        assert self._progress is not None
+        self._progress.report(last=True)
+        if self._call.rank == 0:
+            self._progress.watch_others()
+
+    def _close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
 
     def _write(self) -> None:
         try:
@@ -422,6 +452,8 @@ class AsyncSave:
                 if self._publish is not None and call.rank == 0:
                     self._publish()
                 call.round("published")
+                if self._progress is not None:
+                    self._progress.done()
         except BaseException as exc:
             self._outcome = exc if isinstance(exc, ShardGatherError) else None
 
@@ -436,6 +468,7 @@ class AsyncSave:
         finally:
             _IN_FLIGHT.pop(self._owner, None)
             self._when_written(self._keep_buffers)
+            self._when_written(self._close_progress)  # the writer may still touch it
 
     def _keep_buffers(self) -> None:
         for key, buf in self._keep:
