@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -147,43 +148,15 @@ def own_copy(
     contiguous view per name (zeros: a full sync fills every byte before use)."""
     sizes: dict[torch.dtype, int] = {}
     for _, shape, dtype in layout:
-        sizes[dtype] = sizes.get(dtype, 0) + _numel(shape)
+        sizes[dtype] = sizes.get(dtype, 0) + math.prod(shape)
     flat = {dt: torch.empty(n, dtype=dt) for dt, n in sizes.items()}
     at = dict.fromkeys(sizes, 0)
     out = {}
     for name, shape, dtype in layout:
-        n = _numel(shape)
+        n = math.prod(shape)
         out[name] = flat[dtype][at[dtype] : at[dtype] + n].view(shape)
         at[dtype] += n
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def layer_groups(names: list[str]) -> list[list[str]]:
-    """Names grouped by the decoder layer they belong to (the outermost index in the
-    name, as vLLM's own ``layerwise_groups``), in order; un-indexed names before the
-    first indexed one form the first group, the rest the last."""
-    pre: list[str] = []
-    post: list[str] = []
-    stacks: dict[tuple[str, int], list[str]] = {}
-    for name in names:
-        parts = name.split(".")
-        key = next(
-            ((".".join(parts[:i]), int(p)) for i, p in enumerate(parts) if p.isdigit()), None
-        )
-        if key is None:
-            (post if stacks else pre).append(name)
-        else:
-            stacks.setdefault(key, []).append(name)
-    groups = [pre] if pre else []
-    groups += [stacks[k] for k in sorted(stacks, key=lambda k: (k[0], k[1]))]
-    return groups + ([post] if post else [])
 
 
 def reload_into(
@@ -196,13 +169,15 @@ def reload_into(
     ``copy``: each such layer gets all of its weights (a layer is processed only once
     all are in), one layer's group per ``load_weights`` call. Returns what was reloaded.
     """
+    from vllm.distributed.weight_transfer.base import layerwise_groups
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
     touched = set(names)
-    groups = [g for g in layer_groups(list(copy)) if touched.intersection(g)]
+    # vLLM's own partition: one group per decoder layer (the outermost index in a name)
+    groups = [g for g in layerwise_groups(list(copy)) if touched.intersection(g)]
     t0 = time.perf_counter()
     initialize_layerwise_reload(model)
     try:
@@ -333,7 +308,6 @@ __all__: list[str] = [
     "check_layout",
     "checkpoint_layout",
     "last_update",
-    "layer_groups",
     "register",
     "reload_into",
 ]
